@@ -1,0 +1,16 @@
+"""Reproductions of the seeds' experiments, each a command: ``klest run NAME [--quick]``."""
+
+from __future__ import annotations
+
+from klest.experiments.runner import Experiment, Report, RunConfig, write_report
+
+
+def registry() -> dict[str, Experiment]:
+    """All experiments by name (imported lazily: plotting libraries load only when needed)."""
+    from klest.experiments import schulman
+
+    experiments = [schulman.EXPERIMENT]
+    return {e.name: e for e in experiments}
+
+
+__all__ = ["Experiment", "Report", "RunConfig", "registry", "write_report"]

@@ -1,0 +1,72 @@
+"""What every experiment shares: its configuration, its report, and writing the report out.
+
+An experiment is a thin function ``run(config) -> Report`` that calls the library and plots; it
+holds no estimator logic. ``write_report`` puts ``result.json`` (all numbers), ``table.md`` and
+one PNG per figure in the output directory.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How to run an experiment: ``quick`` is the small size CI runs."""
+
+    quick: bool = False
+    seed: int = 0
+    progress: bool = True
+
+
+@dataclass
+class Report:
+    """An experiment's output: JSON-able ``results``, a markdown ``table``, matplotlib figures."""
+
+    results: dict[str, Any]
+    table: str
+    figures: dict[str, Any] = field(default_factory=dict)
+    summary: str = ""
+
+
+@dataclass(frozen=True)
+class Experiment:
+    """A registered experiment: ``klest run NAME`` calls ``run``."""
+
+    name: str
+    description: str
+    run: Callable[[RunConfig], Report]
+
+
+def _jsonable(x: Any) -> Any:
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [_jsonable(v) for v in x]
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if hasattr(x, "tolist"):
+        return _jsonable(x.tolist())
+    return x
+
+
+def write_report(report: Report, out: Path) -> list[Path]:
+    """Write ``result.json``, ``table.md`` and the figures as PNG; return the paths written."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "result.json", out / "table.md"]
+    paths[0].write_text(json.dumps(_jsonable(report.results), indent=2) + "\n")
+    paths[1].write_text(report.table)
+    for name, fig in report.figures.items():
+        path = out / f"{name}.png"
+        fig.savefig(path, dpi=120, bbox_inches="tight")
+        paths.append(path)
+    import matplotlib.pyplot as plt
+
+    for fig in report.figures.values():
+        plt.close(fig)
+    return paths

@@ -1,0 +1,243 @@
+r"""Tabular autoregressive policies: exact sequence-level KL and its gradient.
+
+A policy emits tokens y_1..y_T from a vocabulary of V tokens; with an end-of-sequence token
+``eos`` a sequence stops after emitting it (later positions are masked). The sequence KL is
+
+.. math::
+    KL(\pi\|ref) = E_{y\sim\pi}\Big[\sum_t \log\pi(y_t|y_{<t}) - \log ref(y_t|y_{<t})\Big]
+                 = \sum_t E_{y_{<t}\sim\pi}\, KL\big(\pi(\cdot|y_{<t})\,\|\,ref(\cdot|y_{<t})\big),
+
+and KL(ref||pi) the same with the roles (and the prefix distribution) swapped.
+
+Two parameterizations:
+
+- ``markov=False``: one logit vector per prefix (any dependence on the past), table
+  ``[sum_{t<T} V^t, V]``; exact values by enumerating all sequences (small ``V^T``).
+- ``markov=True``: the next token depends on the position and the last token only, table
+  ``[T, V + 1, V]`` (state ``V`` is the start); exact values by dynamic programming over the
+  last-token marginal, O(T V^2), so T can be large.
+
+Exact gradients are autodiff of these exact computations. Used by seed 002's experiments
+("On a few pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from klest._checks import check_direction
+from klest.testbeds.base import Sample, Testbed
+
+_MAX_ENUMERATED = 2_000_000
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+class TabularAutoregressive(Testbed):
+    """pi (trainable table of logits) against ref (fixed table), exact by enumeration or DP.
+
+    Args:
+      logits: pi's table, ``[sum_{t<T} V^t, V]`` or, with ``markov=True``, ``[T, V + 1, V]``.
+      logits_ref: ref's table, same shape.
+      horizon: T, the maximum length.
+      eos: the end-of-sequence token id, or None for fixed-length sequences.
+      markov: which parameterization the tables use (see the module docstring).
+    """
+
+    name = "tabular-autoregressive"
+
+    def __init__(
+        self,
+        logits: Tensor,
+        logits_ref: Tensor,
+        *,
+        horizon: int,
+        eos: int | None = None,
+        markov: bool = False,
+    ) -> None:
+        if logits.shape != logits_ref.shape:
+            raise ValueError(
+                f"logits has shape {tuple(logits.shape)} but logits_ref has shape "
+                f"{tuple(logits_ref.shape)}"
+            )
+        v = logits.shape[-1]
+        expected = (horizon, v + 1, v) if markov else (sum(v**t for t in range(horizon)), v)
+        if tuple(logits.shape) != expected:
+            raise ValueError(
+                f"logits has shape {tuple(logits.shape)}; a {'markov' if markov else 'prefix'} "
+                f"table for V={v}, T={horizon} has shape {expected}"
+            )
+        if eos is not None and not 0 <= eos < v:
+            raise ValueError(f"eos must be a token id in [0, {v}), got {eos}")
+        self.logits = logits.detach().clone().requires_grad_(True)
+        self.logits_ref = logits_ref.detach().clone()
+        self.vocab_size = v
+        self.horizon = horizon
+        self.eos = eos
+        self.markov = markov
+        # Offsets of each prefix length in the prefix table.
+        self._offsets = [sum(v**s for s in range(t)) for t in range(horizon)]
+
+    @classmethod
+    def random(
+        cls,
+        vocab_size: int,
+        horizon: int,
+        *,
+        eos: int | None = None,
+        markov: bool = False,
+        scale: float = 1.0,
+        ref_scale: float | None = None,
+        seed: int = 0,
+        dtype: torch.dtype = torch.float64,
+    ) -> TabularAutoregressive:
+        """Tables with i.i.d. N(0, scale^2) logits for pi and N(0, ref_scale^2) for ref."""
+        v, t = vocab_size, horizon
+        shape = (t, v + 1, v) if markov else (sum(v**s for s in range(t)), v)
+        g = torch.Generator().manual_seed(seed)
+        z = torch.randn(shape, generator=g, dtype=dtype) * scale
+        y = torch.randn(shape, generator=g, dtype=dtype) * (
+            scale if ref_scale is None else ref_scale
+        )
+        return cls(z, y, horizon=horizon, eos=eos, markov=markov)
+
+    def parameters(self) -> list[Tensor]:
+        return [self.logits]
+
+    # -- next-token distributions along given sequences ------------------------------------
+    def _rows(self, tokens: Tensor) -> Tensor:
+        """Table rows of the prefix at every position of ``tokens`` ``[n, T]`` -> ``[n, T]``."""
+        n, t_len = tokens.shape
+        if self.markov:
+            start = torch.full((n, 1), self.vocab_size, dtype=torch.long, device=tokens.device)
+            return torch.cat([start, tokens[:, :-1]], dim=1)
+        rows = torch.empty_like(tokens)
+        code = torch.zeros(n, dtype=torch.long, device=tokens.device)
+        for t in range(t_len):
+            rows[:, t] = self._offsets[t] + code
+            code = code * self.vocab_size + tokens[:, t]
+        return rows
+
+    def _next_logprobs(self, table: Tensor, tokens: Tensor) -> Tensor:
+        """log-softmax of the table rows along ``tokens``: ``[n, T, V]``."""
+        rows = self._rows(tokens)
+        if self.markov:
+            steps = torch.arange(tokens.shape[1], device=tokens.device)
+            z = table[steps.expand_as(rows), rows]
+        else:
+            z = table[rows]
+        return torch.log_softmax(z, dim=-1)
+
+    def _valid(self, tokens: Tensor) -> Tensor | None:
+        """True up to and including the first ``eos`` of each row (None without eos)."""
+        if self.eos is None:
+            return None
+        ended = (tokens == self.eos).long().cumsum(1)
+        before = torch.cat([torch.zeros_like(ended[:, :1]), ended[:, :-1]], dim=1)
+        return before == 0
+
+    # -- sampling --------------------------------------------------------------------------
+    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
+        t_len = self.horizon
+        tokens = torch.zeros(n, t_len, dtype=torch.long)
+        with torch.no_grad():
+            alive = torch.ones(n, dtype=torch.bool)
+            for t in range(t_len):
+                probs = self._next_logprobs(self.logits, tokens[:, : t + 1])[:, t].exp()
+                tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+                tokens[:, t] = torch.where(alive, tok, self.eos if self.eos is not None else 0)
+                if self.eos is not None:
+                    alive = alive & (tok != self.eos)
+        log_pi = self._next_logprobs(self.logits, tokens)
+        log_ref = self._next_logprobs(self.logits_ref, tokens)
+        idx = tokens.unsqueeze(-1)
+        return Sample(
+            logp=log_pi.gather(-1, idx).squeeze(-1),
+            logp_ref=log_ref.gather(-1, idx).squeeze(-1),
+            mask=self._valid(tokens),
+            x=tokens,
+            logits=log_pi,
+            logits_ref=log_ref,
+        )
+
+    # -- exact computations ----------------------------------------------------------------
+    def all_sequences(self) -> tuple[Tensor, Tensor | None]:
+        """Every distinct sequence ``[S, T]`` (padded with eos after the first eos) and its mask."""
+        count = self.vocab_size**self.horizon
+        if count > _MAX_ENUMERATED:
+            raise ValueError(
+                f"V^T = {count} sequences is too many to enumerate (limit {_MAX_ENUMERATED}); "
+                "use a markov=True testbed, whose exact values use dynamic programming"
+            )
+        tokens = torch.tensor(
+            list(itertools.product(range(self.vocab_size), repeat=self.horizon)), dtype=torch.long
+        )
+        valid = self._valid(tokens)
+        if valid is not None:
+            # Keep one representative per sequence: everything after the first eos is eos.
+            canonical = (valid | (tokens == self.eos)).all(1)
+            tokens, valid = tokens[canonical], valid[canonical]
+        return tokens, valid
+
+    def _enumerated_token_logprobs(self, table_a: Tensor, table_b: Tensor):
+        tokens, valid = self.all_sequences()
+        idx = tokens.unsqueeze(-1)
+        la = self._next_logprobs(table_a, tokens).gather(-1, idx).squeeze(-1)
+        lb = self._next_logprobs(table_b, tokens).gather(-1, idx).squeeze(-1)
+        if valid is not None:
+            la = torch.where(valid, la, torch.zeros_like(la))
+            lb = torch.where(valid, lb, torch.zeros_like(lb))
+        return la, lb, valid
+
+    def _expect_token_sum(self, table_a: Tensor, table_b: Tensor, fn) -> Tensor:
+        """``E_{y~a}[sum_t fn(log a(y_t|y<t) - log b(y_t|y<t))]``, exactly."""
+        if self.markov:
+            return self._markov_dp(table_a, table_b, fn)
+        la, lb, valid = self._enumerated_token_logprobs(table_a, table_b)
+        per_token = fn(la - lb)
+        if valid is not None:
+            per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
+        return (la.sum(-1).exp() * per_token.sum(-1)).sum()
+
+    def _markov_dp(self, table_a: Tensor, table_b: Tensor, fn) -> Tensor:
+        v = self.vocab_size
+        la = torch.log_softmax(table_a, -1)  # [T, V+1, V]
+        lb = torch.log_softmax(table_b, -1)
+        mass = torch.zeros(v + 1, dtype=la.dtype)
+        mass[v] = 1.0  # the start state
+        total = torch.zeros((), dtype=la.dtype)
+        keep = torch.ones(v, dtype=la.dtype)
+        if self.eos is not None:
+            keep[self.eos] = 0.0  # sequences end after emitting eos
+        for t in range(self.horizon):
+            pa = la[t].exp()
+            total = total + (mass.unsqueeze(-1) * pa * fn(la[t] - lb[t])).sum()
+            nxt = (mass.unsqueeze(-1) * pa).sum(0) * keep
+            mass = torch.cat([nxt, torch.zeros(1, dtype=la.dtype)])
+        return total
+
+    def exact_kl(self, direction: str = "pi||ref") -> Tensor:
+        check_direction(direction)
+        if direction == "pi||ref":
+            return self._expect_token_sum(self.logits, self.logits_ref, _identity)
+        return self._expect_token_sum(self.logits_ref, self.logits, _identity)
+
+    def expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        with torch.no_grad():
+            return self._expect_token_sum(self.logits, self.logits_ref, fn)
+
+    def sequence_expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """Exact ``E_{y~pi}[fn(sum_t delta_t)]`` of a function of the *sequence* log-ratio.
+
+        By enumeration (``markov=False`` or small ``V^T``): the mean of estimators applied with
+        ``level="sequence"``.
+        """
+        with torch.no_grad():
+            la, lb, _ = self._enumerated_token_logprobs(self.logits, self.logits_ref)
+            return (la.sum(-1).exp() * fn((la - lb).sum(-1))).sum()

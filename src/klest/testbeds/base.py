@@ -1,0 +1,82 @@
+"""The interface every exact testbed implements, and the batch of samples it returns."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from klest._checks import check_direction
+
+
+@dataclass
+class Sample:
+    """A batch drawn from pi, with what estimators need.
+
+    Attributes:
+      logp: log pi of each sample (``[n]``) or of each token (``[n, T]``); carries the graph to
+        the testbed's parameters.
+      logp_ref: log ref of the same samples / tokens (no graph to pi's parameters).
+      mask: ``[n, T]`` bool, False after the end of a sequence; None when all count.
+      x: the samples: points ``[n, D]`` or tokens ``[n, T]``.
+      reparameterized: True when ``x`` itself is a differentiable function of pi's parameters
+        (``x = g(theta, eps)``), so pathwise gradients apply.
+      logits: full next-token log-probabilities of pi along each sample, ``[n, T, V]``, when the
+        testbed has them (categorical, autoregressive); graph to the parameters.
+      logits_ref: the same for ref.
+    """
+
+    logp: Tensor
+    logp_ref: Tensor
+    mask: Tensor | None = None
+    x: Tensor | None = None
+    reparameterized: bool = False
+    logits: Tensor | None = None
+    logits_ref: Tensor | None = None
+
+
+class Testbed(ABC):
+    """A pair (pi, ref) whose KLs in both directions, and their gradients, are known exactly.
+
+    ``pi`` is trainable: :meth:`parameters` are leaf tensors with ``requires_grad``; ``ref`` is
+    fixed. Estimators are audited against :meth:`exact_kl` and :meth:`exact_kl_grad`.
+    """
+
+    name: str = "testbed"
+
+    @abstractmethod
+    def parameters(self) -> list[Tensor]:
+        """pi's trainable parameters."""
+
+    @abstractmethod
+    def exact_kl(self, direction: str = "pi||ref") -> Tensor:
+        """The exact KL as a scalar tensor, differentiable w.r.t. :meth:`parameters`."""
+
+    @abstractmethod
+    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
+        """Draw ``n`` samples from pi."""
+
+    def exact_kl_grad(self, direction: str = "pi||ref") -> list[Tensor]:
+        """The exact gradient of the KL w.r.t. :meth:`parameters` (autodiff of the exact value)."""
+        check_direction(direction)
+        with torch.enable_grad():
+            return list(torch.autograd.grad(self.exact_kl(direction), self.parameters()))
+
+    def expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """Exact ``E_{y~pi}[sum_t fn(delta_t)]``, ``delta_t = logp_t - logp_ref_t``.
+
+        A token sum for sequences, a single term for points: the exact mean of any per-token
+        estimator that is a function of the log-ratio (biased ones included), for testbeds that
+        can enumerate or integrate it; others raise NotImplementedError.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot compute exact expectations")
+
+
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A seeded ``torch.Generator``: every klest experiment and test draws through one."""
+    g = torch.Generator(device=device)
+    g.manual_seed(seed)
+    return g

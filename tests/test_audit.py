@@ -1,0 +1,64 @@
+"""The audit: it must flag a biased estimator and clear an unbiased one, with honest errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from klest.audit import EstimatorSpec, audit_value, format_value_audits
+from klest.testbeds import GaussianTestbed
+
+
+def test_flags_k2_bias_and_clears_k3_on_schulman_mu_1():
+    tb = GaussianTestbed.schulman(1.0)
+    k2 = audit_value("k2", tb, batch_size=100_000, n_trials=1, seed=0)
+    k3 = audit_value("k3", tb, batch_size=100_000, n_trials=1, seed=0)
+    assert k2.significant and k2.expected == pytest.approx(0.625, rel=1e-10)
+    assert not k3.significant and k3.expected == pytest.approx(0.5, rel=1e-10)
+    # k1's per-sample stdev is exactly mu = 1 here (delta ~ N(1/2, 1)).
+    k1 = audit_value("k1", tb, batch_size=100_000, n_trials=1, seed=0)
+    assert abs(k1.std - 1.0) <= 4 * k1.se_std
+
+
+def test_trial_loop_and_vectorized_paths_agree():
+    """The vectorized path (trials as fitting groups) draws the same distribution as a loop."""
+    tb = GaussianTestbed.schulman(0.5)
+    spec = EstimatorSpec.parse("cv:loo")
+    vectorized = audit_value("cv:loo", tb, batch_size=8, n_trials=4000, seed=3)
+    looped = audit_value(spec.build("pi||ref"), tb, batch_size=8, n_trials=4000, seed=4)
+    se = math.hypot(vectorized.se_bias, looped.se_bias)
+    assert abs(vectorized.mean - looped.mean) <= 4 * se
+    assert abs(vectorized.std - looped.std) <= 4 * math.hypot(vectorized.se_std, looped.se_std)
+    assert vectorized.n_draws == looped.n_draws == 4000
+
+
+def test_function_estimator_and_std_standard_error():
+    tb = GaussianTestbed.schulman(0.3)
+
+    def half_k1(sample):
+        return 0.5 * (sample.logp - sample.logp_ref)
+
+    a = audit_value(half_k1, tb, batch_size=20_000, n_trials=5, seed=1, name="half")
+    assert a.estimator == "half" and a.n_draws == 100_000
+    # Biased by exactly -KL/2: significant with this many draws.
+    assert a.significant and a.expected is None
+    # For a normal variable, se(std) = std / sqrt(2 n).
+    assert a.se_std == pytest.approx(a.std / math.sqrt(2 * a.n_draws), rel=0.05)
+
+
+def test_format_table_lists_every_audit():
+    tb = GaussianTestbed.schulman(0.3)
+    audits = [audit_value(s, tb, batch_size=100, n_trials=10) for s in ("k1", "k3")]
+    table = format_value_audits(audits)
+    assert table.count("\n") == 2 + len(audits)
+    assert "| k3 | gaussian | KL(pi||ref) |" in table
+
+
+def test_spec_labels():
+    assert EstimatorSpec.parse("cv:0.5").alpha == 0.5
+    assert EstimatorSpec.parse("cv:loo", level="sequence").label() == "cv:loo@sequence"
+    assert EstimatorSpec.parse("cv:ema").fitted
+    assert not EstimatorSpec.parse("k1").fitted
+    assert torch.is_tensor(GaussianTestbed.schulman(0.1).exact_kl())

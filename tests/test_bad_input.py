@@ -1,0 +1,148 @@
+"""Every bad input is a TypeError / ValueError that names the argument, never a silent NaN."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import klest
+
+P = torch.tensor([[-1.0, -2.0], [-0.5, -0.7]])
+Q = torch.tensor([[-1.2, -1.0], [-0.9, -0.3]])
+
+
+def test_mismatched_shapes_name_both():
+    with pytest.raises(
+        ValueError, match=r"logp has shape \(2, 2\) but logp_ref has shape \(2, 3\)"
+    ):
+        klest.k3(P, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match="logp_behavior has shape"):
+        klest.k3(P, Q, logp_behavior=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"mask has shape \(2,\)"):
+        klest.k3(P, Q, mask=torch.ones(2, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("name", ["logp", "logp_ref", "logp_behavior"])
+def test_nan_is_rejected_naming_the_argument(name):
+    args = {"logp": P.clone(), "logp_ref": Q.clone(), "logp_behavior": Q.clone()}
+    args[name][1, 0] = float("nan")
+    with pytest.raises(ValueError, match=rf"{name} contains NaN .*\(1, 0\)"):
+        klest.k3(args["logp"], args["logp_ref"], logp_behavior=args["logp_behavior"])
+
+
+def test_logp_minus_inf_is_a_sample_pi_cannot_produce():
+    bad = P.clone()
+    bad[0, 1] = float("-inf")
+    with pytest.raises(ValueError, match=r"logp is -inf .* a sample pi cannot produce"):
+        klest.k1(bad, Q)
+    with pytest.raises(ValueError, match="logp_behavior is -inf"):
+        klest.k1(P, Q, logp_behavior=bad)
+
+
+def test_plus_inf_log_probs_are_rejected():
+    bad = Q.clone()
+    bad[0, 0] = float("inf")
+    with pytest.raises(ValueError, match=r"logp_ref contains \+inf"):
+        klest.k3(P, bad)
+
+
+def test_all_masked_rows():
+    mask = torch.tensor([[True, False], [False, False]])
+    with pytest.raises(ValueError, match=r"1 row\(s\) with no valid token \(rows \(1,\)\)"):
+        klest.k3(P, Q, mask=mask, reduction="seq-mean-token-mean")
+    with pytest.raises(ValueError, match="no valid token"):
+        klest.aggregate(P, mask=mask)
+    # 1-D inputs are independent samples: masking some is fine, masking all is not.
+    kept = klest.k1(P[0], Q[0], mask=torch.tensor([True, False]), reduction="sum")
+    assert float(kept) == pytest.approx(0.2)
+    with pytest.raises(ValueError, match="mask leaves no valid sample"):
+        klest.k1(P[0], Q[0], mask=torch.tensor([False, False]))
+
+
+def test_empty_tensors():
+    with pytest.raises(ValueError, match="logp is empty"):
+        klest.k3(torch.zeros(0), torch.zeros(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_integer_dtypes(dtype):
+    with pytest.raises(TypeError, match="logp must have a floating-point dtype"):
+        klest.k3(P.to(dtype), Q)
+    with pytest.raises(TypeError, match="logp_ref must have a floating-point dtype"):
+        klest.k3(P, Q.to(dtype))
+
+
+def test_non_tensors():
+    with pytest.raises(TypeError, match=r"logp must be a torch\.Tensor, got list"):
+        klest.k3([-1.0], Q)
+    with pytest.raises(TypeError, match=r"mask must be a torch\.Tensor"):
+        klest.k3(P, Q, mask=[[1, 1], [1, 1]])
+
+
+def test_unknown_names():
+    with pytest.raises(ValueError, match="unknown estimator 'k4'; expected one of 'k1'"):
+        klest.kl_estimate(P, Q, estimator="k4")
+    with pytest.raises(ValueError, match="unknown direction 'forward'"):
+        klest.k3(P, Q, direction="forward")
+    with pytest.raises(ValueError, match="unknown reduction 'mean'"):
+        klest.k3(P, Q, reduction="mean")
+    with pytest.raises(ValueError, match="unknown level 'batch'"):
+        klest.k3(P, Q, level="batch")
+    with pytest.raises(ValueError, match="unknown alpha 'optimal'"):
+        klest.cv(P, Q, alpha="optimal")
+
+
+def test_estimator_option_errors():
+    with pytest.raises(ValueError, match="estimator 'cv' needs alpha"):
+        klest.kl_estimate(P, Q, estimator="cv")
+    with pytest.raises(ValueError, match="alpha applies only to estimator='cv'"):
+        klest.kl_estimate(P, Q, estimator="k3", alpha=0.5)
+    with pytest.raises(ValueError, match="with level='sequence' use one of"):
+        klest.k3(P, Q, level="sequence", reduction="token-mean")
+    with pytest.raises(ValueError, match="alpha has shape"):
+        klest.cv(P, Q, alpha=torch.ones(3))
+    with pytest.raises(TypeError, match="alpha must be"):
+        klest.cv(P, Q, alpha=[0.5])
+    with pytest.raises(ValueError, match="mask must contain only 0 and 1"):
+        klest.k3(P, Q, mask=torch.full((2, 2), 2.0))
+    with pytest.raises(ValueError, match="needs at least 2 rows per group"):
+        klest.cv(P[:1], Q[:1], alpha="loo")
+
+
+def test_group_errors():
+    with pytest.raises(TypeError, match="group must hold integer ids"):
+        klest.cv(P, Q, alpha="loo", group=torch.tensor([0.0, 1.0]))
+    with pytest.raises(ValueError, match=r"group has shape \(3,\)"):
+        klest.cv(P, Q, alpha="loo", group=torch.tensor([0, 0, 1]))
+    with pytest.raises(ValueError, match="group applies only to a fitted alpha"):
+        klest.k3(P, Q, group=torch.tensor([0, 0]))
+
+
+def test_categorical_kl_bad_input():
+    z = torch.randn(3, 5)
+    with pytest.raises(ValueError, match=r"logits has shape \(3, 5\) but logits_ref has shape"):
+        klest.categorical_kl(z, torch.randn(3, 4))
+    dead = z.clone()
+    dead[1] = float("-inf")
+    with pytest.raises(ValueError, match=r"logits_ref has 1 row\(s\) with all entries -inf"):
+        klest.categorical_kl(z, dead)
+    nan = z.clone()
+    nan[2, 3] = float("nan")
+    with pytest.raises(ValueError, match=r"logits has 1 row.* with NaN or \+inf"):
+        klest.categorical_kl(nan, z)
+    with pytest.raises(TypeError, match="floating-point"):
+        klest.categorical_kl(z.long(), z)
+    # Masked rows are neither checked nor counted.
+    out = klest.categorical_kl(dead, z, mask=torch.tensor([True, False, True]))
+    assert torch.isfinite(out).all() and float(out[1]) == 0.0
+
+
+def test_audit_and_spec_errors():
+    from klest.audit import EstimatorSpec
+
+    with pytest.raises(ValueError, match="needs a coefficient"):
+        EstimatorSpec.parse("cv")
+    with pytest.raises(ValueError, match="takes no argument"):
+        EstimatorSpec.parse("k3:2")
+    with pytest.raises(ValueError, match="unknown estimator"):
+        EstimatorSpec.parse("k9")

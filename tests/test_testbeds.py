@@ -1,0 +1,211 @@
+"""Testbeds against independent references: torch.distributions, slow recursion, sampling."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from klest.testbeds import (
+    CategoricalTestbed,
+    GaussianTestbed,
+    TabularAutoregressive,
+    make_generator,
+)
+from tests.conftest import assert_mean_close
+
+DIRECTIONS = ("pi||ref", "ref||pi")
+
+
+# -- Gaussian ---------------------------------------------------------------------------------
+def gaussian():
+    return GaussianTestbed(
+        mean=[0.3, -0.2], log_std=[0.2, -0.1], mean_ref=[0.0, 0.4], log_std_ref=[-0.3, 0.1]
+    )
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_gaussian_kl_matches_torch_distributions(direction):
+    tb = gaussian()
+    pi = torch.distributions.Normal(tb.mean.detach(), tb.log_std.detach().exp())
+    ref = torch.distributions.Normal(tb.mean_ref, tb.log_std_ref.exp())
+    a, b = (pi, ref) if direction == "pi||ref" else (ref, pi)
+    expected = torch.distributions.kl_divergence(a, b).sum()
+    assert float(tb.exact_kl(direction).detach()) == pytest.approx(float(expected), rel=1e-12)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_gaussian_analytic_gradient_equals_autodiff(direction):
+    tb = gaussian()
+    analytic = tb.exact_kl_grad(direction)
+    autodiff = torch.autograd.grad(tb.exact_kl(direction), tb.parameters())
+    for x, y in zip(analytic, autodiff, strict=True):
+        assert torch.allclose(x, y, rtol=1e-12)
+
+
+def test_gaussian_samples_and_log_densities():
+    tb = gaussian()
+    s = tb.sample(100_000, generator=make_generator(0))
+    assert s.reparameterized and s.x.requires_grad
+    pi = torch.distributions.Normal(tb.mean.detach(), tb.log_std.detach().exp())
+    assert torch.allclose(s.logp.detach(), pi.log_prob(s.x.detach()).sum(-1), rtol=1e-12)
+    for d in range(2):
+        assert_mean_close(s.x[:, d], float(tb.mean[d].detach()), what=f"mean[{d}]")
+    # The KL(pi||ref) is the mean of the sampled log-ratio.
+    assert_mean_close(s.logp - s.logp_ref, float(tb.exact_kl().detach()), what="KL")
+
+
+def test_gaussian_quadrature_expectation():
+    tb = GaussianTestbed.schulman(0.8)
+    m, s = tb.log_ratio_moments()
+    assert m == pytest.approx(0.32) and s == pytest.approx(0.8)
+    assert float(tb.expectation(lambda d: d)) == pytest.approx(0.32, rel=1e-12)
+    assert float(tb.expectation(lambda d: d * d)) == pytest.approx(0.32**2 + 0.64, rel=1e-12)
+    assert float(tb.expectation(torch.exp)) == pytest.approx(math.exp(0.32 + 0.32), rel=1e-10)
+    with pytest.raises(NotImplementedError, match="equal standard deviations"):
+        gaussian().expectation(lambda d: d)
+
+
+# -- Categorical ------------------------------------------------------------------------------
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_categorical_analytic_gradient_equals_autodiff(direction):
+    tb = CategoricalTestbed.random(7, seed=4, scale=1.5)
+    (analytic,) = tb.exact_kl_grad(direction)
+    (autodiff,) = torch.autograd.grad(tb.exact_kl(direction), tb.parameters())
+    assert torch.allclose(analytic, autodiff, rtol=1e-10, atol=1e-14)
+
+
+def test_categorical_sampling_frequencies():
+    tb = CategoricalTestbed.random(5, seed=1)
+    n = 200_000
+    s = tb.sample(n, generator=make_generator(2))
+    probs = torch.softmax(tb.logits.detach(), -1)
+    for k in range(5):
+        assert_mean_close((s.x == k).double(), float(probs[k]), what=f"P({k})")
+    assert s.logits.shape == (n, 1, 5)
+
+
+# -- Tabular autoregressive ---------------------------------------------------------------------
+def table_logprobs(tb: TabularAutoregressive, table: torch.Tensor, prefix: tuple[int, ...]):
+    """Next-token log-probs after ``prefix``, by direct table lookup (no vectorization)."""
+    t = len(prefix)
+    if tb.markov:
+        row = table[t, prefix[-1] if prefix else tb.vocab_size]
+    else:
+        code = 0
+        for y in prefix:
+            code = code * tb.vocab_size + y
+        row = table[sum(tb.vocab_size**s for s in range(t)) + code]
+    return torch.log_softmax(row.double(), -1)
+
+
+def slow_kl(tb: TabularAutoregressive, a: torch.Tensor, b: torch.Tensor, prefix=()) -> float:
+    """KL(a||b) over sequences by recursion over prefixes in Python floats."""
+    if len(prefix) == tb.horizon:
+        return 0.0
+    la, lb = table_logprobs(tb, a, prefix), table_logprobs(tb, b, prefix)
+    total = 0.0
+    for v in range(tb.vocab_size):
+        p = math.exp(float(la[v]))
+        total += p * float(la[v] - lb[v])
+        if v != tb.eos:
+            total += p * slow_kl(tb, a, b, (*prefix, v))
+    return total
+
+
+CASES = [
+    dict(vocab_size=3, horizon=3, eos=None, markov=False),
+    dict(vocab_size=3, horizon=4, eos=1, markov=False),
+    dict(vocab_size=2, horizon=5, eos=0, markov=True),
+    dict(vocab_size=3, horizon=4, eos=None, markov=True),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_tabular_exact_kl_matches_slow_recursion(case, direction):
+    tb = TabularAutoregressive.random(**case, seed=3, scale=1.2)
+    a, b = (tb.logits, tb.logits_ref) if direction == "pi||ref" else (tb.logits_ref, tb.logits)
+    expected = slow_kl(tb, a.detach(), b.detach())
+    assert float(tb.exact_kl(direction).detach()) == pytest.approx(expected, rel=1e-10)
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_markov_dynamic_programming_equals_enumeration(direction):
+    tb = TabularAutoregressive.random(3, 5, eos=2, markov=True, seed=6)
+    dp = float(tb.exact_kl(direction).detach())
+    tokens, valid = tb.all_sequences()
+    a, b = (tb.logits, tb.logits_ref) if direction == "pi||ref" else (tb.logits_ref, tb.logits)
+    idx = tokens.unsqueeze(-1)
+    la = tb._next_logprobs(a.detach(), tokens).gather(-1, idx).squeeze(-1) * valid
+    lb = tb._next_logprobs(b.detach(), tokens).gather(-1, idx).squeeze(-1) * valid
+    enumerated = float((la.sum(-1).exp() * (la - lb).sum(-1)).sum())
+    assert dp == pytest.approx(enumerated, rel=1e-12)
+    assert float(la.sum(-1).exp().sum()) == pytest.approx(1.0, rel=1e-12)
+
+
+@pytest.mark.parametrize("case", CASES[1:3])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_tabular_exact_gradient_gradcheck(case, direction):
+    tb = TabularAutoregressive.random(**case, seed=7)
+
+    def kl_of(z):
+        tb.logits = z
+        return tb.exact_kl(direction)
+
+    z = tb.logits.detach().clone().requires_grad_(True)
+    assert torch.autograd.gradcheck(kl_of, (z,))
+
+
+def test_tabular_sequence_frequencies_match_exact_probabilities():
+    tb = TabularAutoregressive.random(2, 3, eos=1, seed=8)
+    n = 100_000
+    s = tb.sample(n, generator=make_generator(9))
+    tokens, valid = tb.all_sequences()
+    idx = tokens.unsqueeze(-1)
+    lp = tb._next_logprobs(tb.logits.detach(), tokens).gather(-1, idx).squeeze(-1) * valid
+    probs = lp.sum(-1).exp()
+    for seq, p in zip(tokens, probs, strict=True):
+        hits = (s.x == seq).all(-1).double()
+        assert_mean_close(hits, float(p), what=str(seq.tolist()))
+
+
+def test_tabular_sample_fields():
+    tb = TabularAutoregressive.random(4, 6, eos=3, seed=10)
+    s = tb.sample(500, generator=make_generator(11))
+    assert s.logits.shape == (500, 6, 4) and s.mask.shape == (500, 6)
+    assert torch.allclose(s.logits.detach().logsumexp(-1), torch.zeros(500, 6, dtype=torch.float64))
+    picked = s.logits.gather(-1, s.x.unsqueeze(-1)).squeeze(-1)
+    assert torch.equal(picked, s.logp)
+    # Valid up to and including the first eos; nothing valid after it.
+    first_eos = torch.where(s.x == 3, torch.arange(6), 6).min(-1).values
+    assert torch.equal(s.mask, torch.arange(6) <= first_eos.unsqueeze(-1))
+    for row in range(500):
+        prefix = tuple(s.x[row, :2].tolist())
+        if s.mask[row, 2]:
+            expected = table_logprobs(tb, tb.logits.detach(), prefix)
+            assert torch.allclose(s.logits[row, 2].detach(), expected)
+            break
+    s.logp[s.mask].sum().backward()
+    assert tb.logits.grad is not None and torch.isfinite(tb.logits.grad).all()
+
+
+def test_markov_long_horizon_is_cheap_and_matches_monte_carlo():
+    tb = TabularAutoregressive.random(4, 60, eos=0, markov=True, seed=12, scale=0.5)
+    exact = float(tb.exact_kl().detach())
+    s = tb.sample(4000, generator=make_generator(13))
+    per_seq = ((s.logp - s.logp_ref) * s.mask).sum(-1)
+    assert_mean_close(per_seq, exact, what="markov T=60")
+
+
+def test_tabular_constructor_errors():
+    with pytest.raises(ValueError, match="a prefix table for V=3, T=3 has shape"):
+        TabularAutoregressive(torch.zeros(5, 3), torch.zeros(5, 3), horizon=3)
+    with pytest.raises(ValueError, match="eos must be a token id"):
+        TabularAutoregressive(torch.zeros(13, 3), torch.zeros(13, 3), horizon=3, eos=3)
+    with pytest.raises(ValueError, match="logits_ref has shape"):
+        TabularAutoregressive(torch.zeros(13, 3), torch.zeros(12, 3), horizon=3)
+    big = TabularAutoregressive.random(8, 8, markov=True)
+    with pytest.raises(ValueError, match="too many to enumerate"):
+        big.all_sequences()
