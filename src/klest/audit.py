@@ -149,7 +149,7 @@ def _vectorized_draws(
     if progress:
         from tqdm.auto import tqdm
 
-        blocks = tqdm(blocks, desc=f"audit {spec.label()}", leave=False)
+        blocks = tqdm(blocks, desc=f"audit {spec.label()}", leave=False, disable=None)
     draws = []
     for trials in blocks:
         sample = testbed.sample(trials * batch_size, generator=generator)
@@ -218,7 +218,7 @@ def audit_value(
         if progress:
             from tqdm.auto import tqdm
 
-            trials = tqdm(trials, desc=f"audit {label}", leave=False)
+            trials = tqdm(trials, desc=f"audit {label}", leave=False, disable=None)
         with torch.no_grad():
             values = torch.cat(
                 [
