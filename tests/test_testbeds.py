@@ -83,7 +83,7 @@ def test_categorical_sampling_frequencies():
     probs = torch.softmax(tb.logits.detach(), -1)
     for k in range(5):
         assert_mean_close((s.x == k).double(), float(probs[k]), what=f"P({k})")
-    assert s.logits.shape == (n, 1, 5)
+    assert s.logits.shape == (n, 5)
 
 
 # -- Tabular autoregressive ---------------------------------------------------------------------

@@ -5,26 +5,48 @@ Every KL is named by its arguments: ``KL(pi||ref) = E_pi[log pi - log ref]`` (th
 trainable distribution that samples come from; ``ref`` is fixed.
 """
 
-from klest.aggregation import KLDiagnostics, aggregate
-from klest.audit import ValueAudit, audit_value
+from klest.aggregation import KLDiagnostics
+from klest.aggregation import aggregate
+from klest.audit import GradAudit
+from klest.audit import ValueAudit
+from klest.audit import audit_grad
+from klest.audit import audit_value
 from klest.categorical import categorical_kl
 from klest.control_variates import AlphaEMA
-from klest.estimators import cv, f_divergence, k1, k2, k3, k_abs, kl_estimate
+from klest.estimators import cv
+from klest.estimators import f_divergence
+from klest.estimators import k1
+from klest.estimators import k2
+from klest.estimators import k3
+from klest.estimators import k_abs
+from klest.estimators import kl_estimate
+from klest.penalty import KLGradientWarning
+from klest.penalty import PenaltyDetails
+from klest.penalty import kl_penalty
+from klest.surrogates import BaselineEMA
+from klest.surrogates import decouple
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AlphaEMA",
+    "BaselineEMA",
+    "GradAudit",
     "KLDiagnostics",
+    "KLGradientWarning",
+    "PenaltyDetails",
     "ValueAudit",
     "aggregate",
+    "audit_grad",
     "audit_value",
     "categorical_kl",
     "cv",
+    "decouple",
     "f_divergence",
     "k1",
     "k2",
     "k3",
     "k_abs",
     "kl_estimate",
+    "kl_penalty",
 ]

@@ -264,3 +264,307 @@ def format_value_audits(audits: list[ValueAudit]) -> str:
             f"{'yes' if a.significant else 'no'} |"
         )
     return head + "\n".join(rows) + "\n"
+
+
+# -- gradients ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GradSpec:
+    """A value/gradient pair for :func:`klest.kl_penalty`: ``"k3/cumulative+loo"``, ``"rb/rb"``.
+
+    Syntax: ``VALUE/GRAD[+BASELINE]`` where VALUE is a value estimator (``cv:0.5`` allowed),
+    GRAD a gradient estimator and BASELINE ``loo``, ``mean`` or ``ema``.
+    """
+
+    value: str
+    grad: str
+    baseline: str | None = None
+    alpha: float | str | None = None
+
+    @classmethod
+    def parse(cls, spec: str) -> GradSpec:
+        from klest.penalty import GRADS, VALUES
+
+        value_part, sep, grad_part = spec.partition("/")
+        if not sep:
+            raise ValueError(f"gradient spec {spec!r} must look like 'k3/cumulative[+loo]'")
+        value = value_part.partition(":")[0]
+        check_choice("value", value, VALUES)
+        alpha = None
+        if value == "cv":
+            alpha = EstimatorSpec.parse(value_part).alpha
+        grad, _, baseline = grad_part.partition("+")
+        check_choice("grad", grad, GRADS)
+        if baseline:
+            check_choice("baseline", baseline, ("loo", "mean", "ema"))
+        return cls(value, grad, baseline or None, alpha)
+
+    def label(self) -> str:
+        value = self.value if self.alpha is None else f"{self.value}:{self.alpha}"
+        return f"{value}/{self.grad}" + (f"+{self.baseline}" if self.baseline else "")
+
+    def build(self, direction: str, **options) -> Callable[[Sample], Tensor]:
+        """A function from a batch to the scalar loss whose gradient is audited."""
+        import warnings
+
+        from klest.control_variates import AlphaEMA
+        from klest.penalty import KLGradientWarning, kl_penalty
+        from klest.surrogates import BaselineEMA
+
+        baseline: object = BaselineEMA() if self.baseline == "ema" else self.baseline
+        alpha: object = AlphaEMA() if self.alpha == "ema" else self.alpha
+
+        def loss(sample: Sample) -> Tensor:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", KLGradientWarning)  # the audit measures it
+                return kl_penalty(
+                    sample.logp,
+                    sample.logp_ref,
+                    mask=sample.mask,
+                    value=self.value,
+                    grad=self.grad,
+                    baseline=baseline,
+                    direction=direction,
+                    alpha=alpha,
+                    logits=sample.logits,
+                    logits_ref=sample.logits_ref,
+                    logp_stl=sample.logp_stl,
+                    logp_behavior=sample.logp_behavior,
+                    **options,
+                )
+
+        return loss
+
+
+@dataclass(frozen=True)
+class GradAudit:
+    """The outcome of :func:`audit_grad`; vectors are over all parameters, flattened.
+
+    ``*_z`` are Hotelling-type statistics, approximately N(0, 1) when the mean gradient equals
+    the named vector (the exact gradient of the target KL, of the other KL, or zero); values
+    above ``z_threshold`` reject it. ``coef_*`` regress the mean gradient on the two exact
+    gradients (None when those are nearly parallel).
+    """
+
+    estimator: str
+    testbed: str
+    direction: str
+    batch_size: int
+    n_trials: int
+    exact_norm: float
+    bias_norm: float
+    rel_bias: float
+    variance: float
+    mse: float
+    z_target: float
+    z_other: float
+    z_zero: float
+    cos_pi_ref: float
+    cos_ref_pi: float
+    coef_pi_ref: float | None
+    coef_pi_ref_se: float | None
+    coef_ref_pi: float | None
+    coef_ref_pi_se: float | None
+    verdict: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _flat_grad(loss: Tensor, params: list[Tensor]) -> Tensor:
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    return torch.cat(
+        [
+            (torch.zeros_like(p) if g is None else g).reshape(-1).double()
+            for g, p in zip(grads, params, strict=True)
+        ]
+    )
+
+
+def gradient_draws(
+    loss_fn: Callable[[Sample], Tensor],
+    testbed: Testbed,
+    *,
+    batch_size: int,
+    n_trials: int,
+    seed: int = 0,
+    progress: bool = False,
+    label: str = "gradient",
+) -> Tensor:
+    """One flattened gradient of ``loss_fn`` per independent batch: ``[n_trials, n_params]``."""
+    params = testbed.parameters()
+    generator = make_generator(seed)
+    trials = range(n_trials)
+    if progress:
+        from tqdm.auto import tqdm
+
+        trials = tqdm(trials, desc=f"audit {label}", leave=False, disable=None)
+    return torch.stack(
+        [
+            _flat_grad(loss_fn(testbed.sample(batch_size, generator=generator)), params)
+            for _ in trials
+        ]
+    )
+
+
+def hotelling_z(draws: Tensor, target: Tensor) -> float:
+    r"""Wilson-Hilferty z of Hotelling's :math:`T^2` for "the mean of ``draws`` is ``target``".
+
+    Uses the eigen-decomposition of the sample covariance (directions with no variance are
+    dropped; a nonzero mean difference along them counts as infinitely significant).
+    """
+    n = draws.shape[0]
+    diff = draws.mean(0) - target
+    centred = draws - draws.mean(0)
+    cov = centred.T @ centred / (n - 1)
+    evals, evecs = torch.linalg.eigh(cov)
+    # Directions whose spread is rounding noise (relative to the gradients' size) count as
+    # deterministic: there the mean must match the target to rounding.
+    scale = float(torch.maximum(draws.abs().max(), target.abs().max()).clamp(min=1e-300))
+    floor = max(float(evals.max()) * 1e-10, (1e-9 * scale) ** 2)
+    keep = evals > floor
+    proj = evecs.T @ diff
+    if bool((proj[~keep].abs() > 1e-7 * scale).any()):
+        return math.inf
+    k = int(keep.sum())
+    if k == 0:
+        return 0.0
+    t2 = float(n * (proj[keep] ** 2 / evals[keep]).sum())
+    f_scaled = t2 * (n - k) / ((n - 1) * k) if n > k else t2 / k
+    a = 2.0 / (9.0 * k)
+    return (f_scaled ** (1.0 / 3.0) - (1.0 - a)) / math.sqrt(a)
+
+
+def audit_grad(
+    estimator: str | Callable[[Sample], Tensor],
+    testbed: Testbed,
+    *,
+    direction: str = "pi||ref",
+    batch_size: int = 8,
+    n_trials: int = 1000,
+    seed: int = 0,
+    z_threshold: float = 4.0,
+    progress: bool = False,
+    name: str | None = None,
+) -> GradAudit:
+    r"""Audit a gradient estimator against the exact gradients of both KLs on ``testbed``.
+
+    .. math::
+        \text{bias} = E[\hat g] - \nabla KL, \qquad \text{MSE} = E\|\hat g - \nabla KL\|^2,
+        \qquad \text{variance} = \operatorname{tr} \operatorname{Cov}(\hat g)
+
+    and which KL the estimator descends: Hotelling tests of ``E[g] = grad KL(pi||ref)``,
+    ``= grad KL(ref||pi)`` and ``= 0``, cosines, and a regression of the mean gradient on the
+    two exact gradients.
+
+    Samples: ``n_trials`` independent batches of ``batch_size`` from pi (seeded); each batch gives
+    one gradient of the loss w.r.t. ``testbed.parameters()``.
+
+    Args:
+      estimator: a :class:`GradSpec` string (``"k3/cumulative+loo"``) or a function from a
+        :class:`~klest.testbeds.Sample` to a scalar loss.
+      testbed: the exact testbed.
+      direction: the KL the estimator claims to descend.
+      batch_size, n_trials, seed: sampling plan.
+      z_threshold: a statistic above this rejects the corresponding hypothesis.
+      progress: show a progress bar.
+      name: label for a function estimator.
+    """
+    check_direction(direction)
+    other = "ref||pi" if direction == "pi||ref" else "pi||ref"
+    spec = GradSpec.parse(estimator) if isinstance(estimator, str) else None
+    fn = spec.build(direction) if spec is not None else estimator
+    label = spec.label() if spec is not None else (name or getattr(fn, "__name__", "estimator"))
+    draws = gradient_draws(
+        fn,
+        testbed,
+        batch_size=batch_size,
+        n_trials=n_trials,
+        seed=seed,
+        progress=progress,
+        label=label,
+    )
+    exact = {
+        d: torch.cat([g.reshape(-1).double() for g in testbed.exact_kl_grad(d)])
+        for d in ("pi||ref", "ref||pi")
+    }
+    target = exact[direction]
+    mean = draws.mean(0)
+    bias = mean - target
+    centred = draws - mean
+    variance = float((centred**2).sum(1).mean() * n_trials / (n_trials - 1))
+    mse = float(((draws - target) ** 2).sum(1).mean())
+    z = {
+        key: hotelling_z(draws, vec)
+        for key, vec in (
+            ("target", target),
+            ("other", exact[other]),
+            ("zero", torch.zeros_like(target)),
+        )
+    }
+
+    def cos(a: Tensor, b: Tensor) -> float:
+        denom = float(a.norm() * b.norm())
+        return float(a @ b) / denom if denom > 0 else 0.0
+
+    design = torch.stack([exact["pi||ref"], exact["ref||pi"]], 1)
+    coefs = ses = (None, None)
+    if abs(cos(exact["pi||ref"], exact["ref||pi"])) < 0.99:
+        per_trial = torch.linalg.lstsq(design, draws.T).solution  # [2, n_trials]
+        coefs = tuple(float(c) for c in per_trial.mean(1))
+        ses = tuple(float(s) for s in per_trial.std(1) / math.sqrt(n_trials))
+    ok = {key: value <= z_threshold for key, value in z.items()}
+    if ok["target"] and not ok["other"]:
+        verdict = f"descends KL({direction})"
+    elif ok["other"] and not ok["target"]:
+        verdict = f"descends KL({other}), not KL({direction})"
+    elif ok["target"] and ok["other"]:
+        verdict = "unbiased for both KLs (indistinguishable here)"
+    elif ok["zero"]:
+        verdict = "mean gradient zero"
+    else:
+        verdict = "biased: neither KL"
+    return GradAudit(
+        estimator=label,
+        testbed=testbed.name,
+        direction=direction,
+        batch_size=batch_size,
+        n_trials=n_trials,
+        exact_norm=float(target.norm()),
+        bias_norm=float(bias.norm()),
+        rel_bias=float(bias.norm() / target.norm().clamp(min=1e-300)),
+        variance=variance,
+        mse=mse,
+        z_target=z["target"],
+        z_other=z["other"],
+        z_zero=z["zero"],
+        cos_pi_ref=cos(mean, exact["pi||ref"]),
+        cos_ref_pi=cos(mean, exact["ref||pi"]),
+        coef_pi_ref=coefs[0],
+        coef_pi_ref_se=ses[0],
+        coef_ref_pi=coefs[1],
+        coef_ref_pi_se=ses[1],
+        verdict=verdict,
+    )
+
+
+def format_grad_audits(audits: list[GradAudit]) -> str:
+    """A markdown table of gradient audits."""
+    head = (
+        "| estimator | claims | rel. bias | variance | MSE | z(target) | z(other) | z(zero) "
+        "| coef on ∇KL(pi‖ref) | coef on ∇KL(ref‖pi) | verdict |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|\n"
+    )
+
+    def coef(c: float | None, se: float | None) -> str:
+        return "—" if c is None else f"{c:+.3f} ± {se:.3f}"
+
+    rows = [
+        f"| {a.estimator} | KL({a.direction}) | {a.rel_bias:.3f} | {a.variance:.4g} | "
+        f"{a.mse:.4g} | {a.z_target:.1f} | {a.z_other:.1f} | {a.z_zero:.1f} | "
+        f"{coef(a.coef_pi_ref, a.coef_pi_ref_se)} | {coef(a.coef_ref_pi, a.coef_ref_pi_se)} | "
+        f"{a.verdict} |"
+        for a in audits
+    ]
+    return head + "\n".join(rows) + "\n"

@@ -143,17 +143,21 @@ class TabularAutoregressive(Testbed):
         return before == 0
 
     # -- sampling --------------------------------------------------------------------------
-    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
-        t_len = self.horizon
-        tokens = torch.zeros(n, t_len, dtype=torch.long)
+    def draw(self, n: int, *, generator: torch.Generator) -> Tensor:
+        """Token sequences ``[n, T]`` from pi (positions after eos are filled with eos)."""
+        tokens = torch.zeros(n, self.horizon, dtype=torch.long)
         with torch.no_grad():
             alive = torch.ones(n, dtype=torch.bool)
-            for t in range(t_len):
+            for t in range(self.horizon):
                 probs = self._next_logprobs(self.logits, tokens[:, : t + 1])[:, t].exp()
                 tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
                 tokens[:, t] = torch.where(alive, tok, self.eos if self.eos is not None else 0)
                 if self.eos is not None:
                     alive = alive & (tok != self.eos)
+        return tokens
+
+    def evaluate(self, tokens: Tensor) -> Sample:
+        """Per-token log-probs and next-token distributions of pi and ref along ``tokens``."""
         log_pi = self._next_logprobs(self.logits, tokens)
         log_ref = self._next_logprobs(self.logits_ref, tokens)
         idx = tokens.unsqueeze(-1)
@@ -165,6 +169,9 @@ class TabularAutoregressive(Testbed):
             logits=log_pi,
             logits_ref=log_ref,
         )
+
+    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
+        return self.evaluate(self.draw(n, generator=generator))
 
     # -- exact computations ----------------------------------------------------------------
     def all_sequences(self) -> tuple[Tensor, Tensor | None]:

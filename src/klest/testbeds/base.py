@@ -27,6 +27,10 @@ class Sample:
       logits: full next-token log-probabilities of pi along each sample, ``[n, T, V]``, when the
         testbed has them (categorical, autoregressive); graph to the parameters.
       logits_ref: the same for ref.
+      logp_stl: log pi(x) with pi's distribution parameters stopped but x still differentiable
+        (reparameterized testbeds): the "sticking the landing" surrogate.
+      logp_behavior: log behavior of the samples when they were drawn from a behavior
+        distribution rather than pi (:class:`~klest.testbeds.OffPolicyTestbed`).
     """
 
     logp: Tensor
@@ -36,6 +40,8 @@ class Sample:
     reparameterized: bool = False
     logits: Tensor | None = None
     logits_ref: Tensor | None = None
+    logp_stl: Tensor | None = None
+    logp_behavior: Tensor | None = None
 
 
 class Testbed(ABC):

@@ -22,8 +22,8 @@ from klest.testbeds.base import Sample, Testbed
 class CategoricalTestbed(Testbed):
     """pi = softmax(logits) against ref = softmax(logits_ref), both ``[K]``.
 
-    Samples are outcome indices; ``Sample.logits`` holds pi's full log-probs ``[n, 1, K]`` (one
-    "position" per sample), so Rao-Blackwellized estimators apply.
+    Samples are outcome indices; ``Sample.logits`` holds pi's full log-probs ``[n, K]`` (one
+    position per sample), so Rao-Blackwellized estimators apply.
     """
 
     name = "categorical"
@@ -64,17 +64,26 @@ class CategoricalTestbed(Testbed):
                 return [q * (log_q - log_p - kl)]
             return [q - p]
 
-    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
+    def draw(self, n: int, *, generator: torch.Generator) -> Tensor:
+        """Outcome indices ``[n]`` from pi."""
+        probs = torch.softmax(self.logits.detach(), -1)
+        return torch.multinomial(probs, n, replacement=True, generator=generator)
+
+    def evaluate(self, idx: Tensor) -> Sample:
+        """Log-probs of pi and ref at the outcomes ``idx`` and their full distributions."""
         log_q = torch.log_softmax(self.logits, -1)
         log_p = torch.log_softmax(self.logits_ref, -1)
-        idx = torch.multinomial(log_q.detach().exp(), n, replacement=True, generator=generator)
+        n = idx.shape[0]
         return Sample(
             logp=log_q[idx],
             logp_ref=log_p[idx],
             x=idx,
-            logits=log_q.expand(n, 1, -1),
-            logits_ref=log_p.expand(n, 1, -1),
+            logits=log_q.expand(n, -1),
+            logits_ref=log_p.expand(n, -1),
         )
+
+    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
+        return self.evaluate(self.draw(n, generator=generator))
 
     def expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
         with torch.no_grad():

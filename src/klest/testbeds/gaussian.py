@@ -113,14 +113,20 @@ class GaussianTestbed(Testbed):
                 return [diff / var_ref, var / var_ref - 1.0]
             return [diff / var, 1.0 - (var_ref + diff * diff) / var]
 
-    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
+    def sample(self, n: int, *, generator: torch.Generator, reparameterize: bool = True) -> Sample:
+        """Draw ``n`` points; ``reparameterize=False`` detaches x (score-function samples)."""
         eps = torch.randn(n, self.dim, generator=generator, dtype=self.mean.dtype)
         x = self.mean + torch.exp(self.log_std) * eps
+        if not reparameterize:
+            x = x.detach()
         return Sample(
             logp=gaussian_log_density(x, self.mean, self.log_std),
             logp_ref=gaussian_log_density(x, self.mean_ref, self.log_std_ref),
             x=x,
-            reparameterized=True,
+            reparameterized=reparameterize,
+            logp_stl=gaussian_log_density(x, self.mean.detach(), self.log_std.detach())
+            if reparameterize
+            else None,
         )
 
     def log_ratio_moments(self) -> tuple[float, float]:
