@@ -530,6 +530,7 @@ jobs = [(kern.kl_logits_fwd_kernel, fwd, {"HAS_LABELS": h, "BLOCK_V": 2048}) for
 for c in (every, pi_only, ref_only):
     jobs.append((kern.kl_logits_bwd_kernel, bwd, {**c, "BLOCK_V": 1024}))
 for fn, sig, const in jobs:
+    const = {(fn.arg_names.index(k),): v for k, v in const.items()}  # the older key form
     src = ASTSource(fn=fn, signature=sig, constexprs=const)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
     assert ".target sm_90" in compiled.asm["ptx"], (fn, const)
@@ -537,11 +538,19 @@ print("compiled")
 """
 
 
+def _triton_version() -> tuple[int, ...]:
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+
+
 @needs_triton
 def test_kernels_compile_for_sm90():
     """The interpreter runs code that the GPU compiler rejects (e.g. a global that is not a
     constexpr): compile both kernels for an H100 (sm_90), which needs no GPU. In a subprocess,
     because triton's interpreter (TRITON_INTERPRET=1) cannot compile."""
+    if _triton_version() < (3, 3):
+        pytest.skip("the compile call below uses the signature format of triton >= 3.3")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a triton 3.9 notice
     src = os.path.join(os.path.dirname(klest.__file__), os.pardir)
