@@ -441,25 +441,95 @@ def test_backward_without_terms_gives_zeros():
 
 
 @needs_triton
-def test_labels_out_of_range_give_zero_and_no_gradient():
+def test_ignored_and_foreign_labels():
+    """label < 0: log-probs 0, no gradient. label >= V (another shard's token): log-probs 0 here
+    and the gradient's softmax part, -g q / tau on z and -g p / tau on y."""
     z, y = logits(4, 70, torch.float32, seed=6)
     labels = torch.tensor([-100, 70, 1000, 69])
-    stats = kl_logits_forward(*to_dev(z, y), labels=labels.to(DEV), block_v=32)
+    tau = 2.0
+    stats = kl_logits_forward(*to_dev(z, y), temperature=tau, labels=labels.to(DEV), block_v=32)
     assert (stats.logp_label[:3] == 0).all() and (stats.logp_ref_label[:3] == 0).all()
-    ones = torch.ones(4, device=DEV)
+    g4, g5 = torch.tensor([1.5, -2.0, 0.5, 3.0]), torch.tensor([-1.0, 0.25, 2.0, -0.5])
     dz, dy = kl_logits_backward(
         *to_dev(z, y),
         stats,
+        temperature=tau,
         labels=labels.to(DEV),
-        grad_logp_label=ones,
-        grad_logp_ref_label=ones,
+        grad_logp_label=g4.to(DEV),
+        grad_logp_ref_label=g5.to(DEV),
         need_grad_y=True,
         block_v=32,
     )
-    assert (dz[:3] == 0).all() and (dy[:3] == 0).all()
-    rz, ry = reference_grads(z, y, 1.0, labels, [None, None, None, ones.cpu(), ones.cpu()])
-    check_grad(dz, rz, torch.float32, "dz")
-    check_grad(dy, ry, torch.float32, "dy")
+    assert (dz[0] == 0).all() and (dy[0] == 0).all()
+    q = (z.double() / tau).softmax(-1)
+    p = (y.double() / tau).softmax(-1)
+    foreign = slice(1, 3)
+    check_grad(dz[foreign], -g4[foreign, None] * q[foreign] / tau, torch.float32, "dz foreign")
+    check_grad(dy[foreign], -g5[foreign, None] * p[foreign] / tau, torch.float32, "dy foreign")
+    rz, ry = reference_grads(z[3:], y[3:], tau, labels[3:], [None, None, None, g4[3:], g5[3:]])
+    check_grad(dz[3:], rz, torch.float32, "dz")
+    check_grad(dy[3:], ry, torch.float32, "dy")
+
+
+def combine_shards(parts):
+    """Whole-row statistics from per-shard ones (float64), the vocab-parallel reduction.
+
+    With shard k's normalizers L_k and the row's L = logsumexp_k L_k, shard k holds the mass
+    w_k = exp(L_k - L), and its local KL(q_k||p_k) = E_{q_k}[a - b] - La_k + Lb_k, so
+      KL(q||p) = sum_k wa_k (KL_k + La_k - Lb_k) - La + Lb,   H(q) = La - sum_k wa_k (La_k - H_k),
+      log q_l = (log q_k)_l + La_k - La on the shard that holds l."""
+    st = {f: torch.stack([getattr(s, f).double().cpu() for _, s in parts]) for f in FIELDS}
+    owner = torch.stack([(lab >= 0) & (lab < w) for (lab, w), _ in parts]).double()
+    la, lb = st["lse_z"].logsumexp(0), st["lse_y"].logsumexp(0)
+    wa, wb = (st["lse_z"] - la).exp(), (st["lse_y"] - lb).exp()
+    return {
+        "lse_z": la,
+        "lse_y": lb,
+        "kl_pi_ref": (wa * (st["kl_pi_ref"] + st["lse_z"] - st["lse_y"])).sum(0) - la + lb,
+        "kl_ref_pi": (wb * (st["kl_ref_pi"] + st["lse_y"] - st["lse_z"])).sum(0) - lb + la,
+        "entropy": la - (wa * (st["lse_z"] - st["entropy"])).sum(0),
+        "logp_label": (owner * (st["logp_label"] + st["lse_z"] - la)).sum(0),
+        "logp_ref_label": (owner * (st["logp_ref_label"] + st["lse_y"] - lb)).sum(0),
+    }
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_vocabulary_shards_compose(dtype):
+    """Vocab-parallel use: per-shard forwards combine into the row's statistics; per-shard
+    backwards given the row's statistics are the row's gradient, column for column."""
+    n, v, tau = 4, 150, 0.7
+    z, y = logits(n, v, dtype, seed=31)
+    z[0, 100:] = y[0, 100:] = -INF
+    labels = torch.tensor([5, 120, -100, 69])
+    gen = torch.Generator().manual_seed(3)
+    upstream = to_dev(*[torch.randn(n, generator=gen) for _ in range(5)])
+    grads = dict(zip(GRAD_NAMES, upstream, strict=True))
+    z, y, labels_d = to_dev(z, y, labels)
+    whole = kl_logits_forward(z, y, temperature=tau, labels=labels_d, block_v=32)
+    dz, dy = kl_logits_backward(
+        z, y, whole, temperature=tau, labels=labels_d, **grads, need_grad_y=True, block_v=32
+    )
+    parts, dzs, dys = [], [], []
+    for lo, hi in ((0, 70), (70, v)):
+        local = labels_d - lo
+        local = torch.where((local >= 0) & (local < hi - lo), local, hi - lo)  # foreign: >= V
+        local = torch.where(labels_d < 0, labels_d, local)  # ignored stays ignored
+        zs, ys = z[:, lo:hi], y[:, lo:hi]  # strided views
+        stats = kl_logits_forward(zs, ys, temperature=tau, labels=local, block_v=32)
+        parts.append(((local.cpu(), hi - lo), stats))
+        gz, gy = kl_logits_backward(
+            zs, ys, whole, temperature=tau, labels=local, **grads, need_grad_y=True, block_v=32
+        )
+        dzs.append(gz)
+        dys.append(gy)
+    combined = combine_shards(parts)
+    for name in FIELDS:
+        # Combining float32 statistics of size ~10 cancels: a few float32 ulps of 10 (~1e-6).
+        want = getattr(whole, name).double().cpu()
+        assert_close(combined[name], want, atol=2e-5, rtol=1e-5, what=f"combined {name}")
+    # The backward is elementwise given the row statistics: bit-for-bit the same columns.
+    assert torch.equal(torch.cat(dzs, 1), dz) and torch.equal(torch.cat(dys, 1), dy)
 
 
 # ----------------------------------------------------------------------------- bad input

@@ -34,8 +34,11 @@ forward): with ``la = a - lse_a``, ``lb = b - lse_b``,
     dz = (1/tau) [ g1 q (la - lb - KL(q||p)) + g2 (q - p) - g3 q (la + H) + g4 (onehot - q) ]
     dy = (1/tau) [ g1 (p - q) + g2 p (lb - la - KL(p||q)) + g5 (onehot - p) ]
 
-each ``q (...)`` term taken as 0 where ``q`` has no support. A term whose upstream gradient is 0
-contributes exactly 0, even on a row where its KL is ``+inf`` (its gradient does not exist there).
+each ``q (...)`` term taken as 0 where ``q`` has no support. A negative label drops the ``g4`` /
+``g5`` terms; a label ``>= V`` (a token of another vocabulary shard) keeps their ``-q`` / ``-p``
+part, as the log-prob of that token depends on this shard's logits through the normalizer. A
+term whose upstream gradient is 0 contributes exactly 0, even on a row where its KL is ``+inf``
+(its gradient does not exist there).
 """
 
 from __future__ import annotations
@@ -211,7 +214,9 @@ def kl_logits_bwd_kernel(
         d_lse = (lse_a - lse_b) * LOG2E
     if HAS_G4 or HAS_G5:
         label = tl.load(label_ptr + row)
-        valid = (label >= 0) & (label < V)
+        # label < 0: ignored, no gradient. label >= V: a token of another vocabulary shard, whose
+        # log-prob still depends on this shard through the normalizer: -g q here (onehot is 0).
+        counted = label >= 0
         onehot = (offs == label).to(tl.float32)
 
     if NEED_DZ:
@@ -233,7 +238,7 @@ def kl_logits_bwd_kernel(
             g2 = tl.load(g2_ptr + row)
             dz += g2 * (q - p)
         if HAS_G4:
-            g4 = tl.where(valid, tl.load(g4_ptr + row), 0.0)
+            g4 = tl.where(counted, tl.load(g4_ptr + row), 0.0)
             dz += g4 * (onehot - q)
         dz = dz * inv_tau
         tl.store(dz_ptr + row * stride_dz + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
@@ -249,7 +254,7 @@ def kl_logits_bwd_kernel(
             k2 = tl.where(g2 != 0.0, kl_ba * LOG2E - d_lse, 0.0)
             dy += (LN2 * g2) * tl.where(fin_b, p * (-d - k2), 0.0)
         if HAS_G5:
-            g5 = tl.where(valid, tl.load(g5_ptr + row), 0.0)
+            g5 = tl.where(counted, tl.load(g5_ptr + row), 0.0)
             dy += g5 * (onehot - p)
         dy = dy * inv_tau
         tl.store(dy_ptr + row * stride_dy + offs, dy.to(dy_ptr.dtype.element_ty), mask=inside)

@@ -70,9 +70,9 @@ class KLRowStats(NamedTuple):
     entropy: Tensor
     """``H(softmax(z / tau))``."""
     logp_label: Tensor
-    """``z[label] / tau - lse_z``; 0 where the label is out of range or ``labels`` is None."""
+    """``z[label] / tau - lse_z``; 0 where the label is outside ``[0, V)`` or ``labels`` is None."""
     logp_ref_label: Tensor
-    """``y[label] / tau - lse_y``; 0 where the label is out of range or ``labels`` is None."""
+    """``y[label] / tau - lse_y``; 0 where the label is outside ``[0, V)`` or ``labels`` is None."""
 
 
 def _interpreting() -> bool:
@@ -227,9 +227,11 @@ def kl_logits_forward(
         ``TRITON_INTERPRET=1``). Any row stride; the last dimension is made contiguous.
       y: ref's logits, same shape and device; its dtype may differ from ``z``'s.
       temperature: :math:`\tau > 0`, dividing both logits.
-      labels: optional int ``[N]`` token ids. A label outside ``[0, V)`` (e.g. an ignore index
-        of -100, or a token of another vocabulary shard) gives log-probs 0 and, in the backward,
-        no gradient.
+      labels: optional int ``[N]`` token ids. A negative label (an ignore index such as -100)
+        gives log-probs 0 and no gradient. A label ``>= V`` means a token of another vocabulary
+        shard (vocab-parallel): log-probs 0 here, and in the backward only the ``-g q`` part of
+        its gradient ``g (e_l - q)`` (``e_l`` lives on the shard that holds the token; pass the
+        global ``lse`` in ``stats``). Single-device callers should not pass labels ``>= V``.
       block_v: vocabulary block (power of two, >= 16); default ``min(2048, next_pow2(V))``.
 
     Returns:
@@ -297,7 +299,9 @@ def kl_logits_backward(
 
     Args:
       z, y, temperature, labels: as given to :func:`kl_logits_forward`.
-      stats: what :func:`kl_logits_forward` returned for them.
+      stats: what :func:`kl_logits_forward` returned for them; only ``lse_z``, ``lse_y``,
+        ``kl_pi_ref``, ``kl_ref_pi`` and ``entropy`` are read. For a shard of a vocabulary-parallel
+        row, pass the statistics of the whole row: the gradient of each shard is then exact.
       grad_kl_pi_ref, grad_kl_ref_pi, grad_entropy, grad_logp_label, grad_logp_ref_label: upstream
         gradients :math:`g_1..g_5`, float ``[N]`` (made float32), or None for a term without one.
         ``grad_logp_label`` / ``grad_logp_ref_label`` need ``labels``. A zero upstream gradient
