@@ -1,0 +1,260 @@
+r"""Triton kernels behind :mod:`klest.kernels.kl_logits` (imported only when triton is).
+
+Notation: ``a = z / tau`` and ``b = y / tau`` are pi's and ref's scaled logits, ``q = softmax(a)``,
+``p = softmax(b)``. The kernels work in base 2: they load ``a2 = a log2(e)`` (one multiply by
+``scale = log2(e) / tau``) so every exponential is a bare ``exp2``, and convert back to nats with
+``ln 2`` once per row.
+
+Forward (one program per row, one pass over the vocabulary in blocks of ``BLOCK_V``). With a
+running maximum ``m`` of ``a2`` (a scalar) and per-lane running sums, rescaled by
+``alpha = 2^(m_old - m_new)`` whenever the maximum grows::
+
+    s_a = sum 2^(a2 - m_a)                      -> lse_a = ln2 (m_a + log2 s_a)
+    w_a = sum 2^(a2 - m_a) (a2 - m_a)           -> H(q) = ln2 (log2 s_a - w_a / s_a)
+    t_a = sum 2^(a2 - m_a) (a2 - b2)            -> KL(q||p) = ln2 (t_a / s_a - (m_a - m_b)
+                                                                   - (log2 s_a - log2 s_b))
+    t_b = sum 2^(b2 - m_b) (b2 - a2)            -> KL(p||q), symmetrically
+
+``w_a`` is kept relative to the running maximum (not ``sum 2^(a2 - m) a2``) so the entropy does not
+cancel two numbers of the size of the logits; when the maximum moves from ``m`` to ``m'`` it becomes
+``alpha (w_a + (m - m') s_a)``. Identical rows give ``t = 0``, equal maxima and equal sums, so both
+KLs are exactly 0.
+
+Support (``-inf`` entries, also used for the lanes past ``V``): a lane with ``a = -inf`` adds
+nothing to the ``q``-weighted sums (selected out, so ``0 * inf`` never happens). A lane with ``a``
+finite and ``b = -inf`` adds ``+inf`` to ``t_a`` (or NaN, when its weight underflowed to 0 or was
+later rescaled by an ``alpha`` that underflowed); either way ``KL(q||p)`` is truly ``+inf``, so a
+non-finite ``t_a`` is reported as ``+inf``. NaN or ``+inf`` inputs make ``s`` NaN and every output
+of the row NaN. A row that is entirely ``-inf`` has no distribution (``s = 0``); the caller rejects
+such rows.
+
+Backward (grid ``rows x vocabulary blocks``; no reduction, the row statistics come from the
+forward): with ``la = a - lse_a``, ``lb = b - lse_b``,
+
+    dz = (1/tau) [ g1 q (la - lb - KL(q||p)) + g2 (q - p) - g3 q (la + H) + g4 (onehot - q) ]
+    dy = (1/tau) [ g1 (p - q) + g2 p (lb - la - KL(p||q)) + g5 (onehot - p) ]
+
+each ``q (...)`` term taken as 0 where ``q`` has no support. A negative label drops the ``g4`` /
+``g5`` terms; a label ``>= V`` (a token of another vocabulary shard) keeps their ``-q`` / ``-p``
+part, as the log-prob of that token depends on this shard's logits through the normalizer. A
+term whose upstream gradient is 0 contributes exactly 0, even on a row where its KL is ``+inf``
+(its gradient does not exist there).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = tl.constexpr(1.4426950408889634)
+LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def kl_logits_fwd_kernel(
+    z_ptr,
+    y_ptr,
+    label_ptr,
+    out_ptr,
+    stride_z,
+    stride_y,
+    N,
+    V,
+    scale,
+    HAS_LABELS: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One row per program. ``out`` is a contiguous ``[7, N]`` float32 buffer."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    y_row = y_ptr + row * stride_y
+    cols = tl.arange(0, BLOCK_V)
+    neg_inf = float("-inf")
+
+    m_a = neg_inf
+    m_b = neg_inf
+    s_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s_b = tl.zeros([BLOCK_V], dtype=tl.float32)
+    w_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    t_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    t_b = tl.zeros([BLOCK_V], dtype=tl.float32)
+
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        inside = offs < V
+        zf = tl.load(z_row + offs, mask=inside, other=neg_inf).to(tl.float32)
+        yf = tl.load(y_row + offs, mask=inside, other=neg_inf).to(tl.float32)
+        a2 = zf * scale
+        b2 = yf * scale
+        fin_a = a2 > neg_inf
+        fin_b = b2 > neg_inf
+
+        # New running maxima; the shift used in exp2 is 0 while a row has seen only -inf, so that
+        # 2^(-inf - shift) = 0 and the rescale factor of the (all-zero) old sums is 0, not NaN.
+        new_m_a = tl.maximum(m_a, tl.max(a2, axis=0))
+        new_m_b = tl.maximum(m_b, tl.max(b2, axis=0))
+        shift_a = tl.where(new_m_a > neg_inf, new_m_a, 0.0)
+        shift_b = tl.where(new_m_b > neg_inf, new_m_b, 0.0)
+        alpha_a = tl.exp2(m_a - shift_a)
+        alpha_b = tl.exp2(m_b - shift_b)
+        move_a = tl.where(m_a > neg_inf, m_a - shift_a, 0.0)
+
+        e_a = tl.exp2(a2 - shift_a)
+        e_b = tl.exp2(b2 - shift_b)
+        # (z - y) scale, not a2 - b2: exactly 0 for equal inputs even if the compiler contracts
+        # a product and a difference into one fma (and one rounding fewer).
+        d = (zf - yf) * scale
+        w_a = (w_a + move_a * s_a) * alpha_a + tl.where(fin_a, e_a * (a2 - shift_a), 0.0)
+        s_a = s_a * alpha_a + e_a
+        s_b = s_b * alpha_b + e_b
+        t_a = t_a * alpha_a + tl.where(fin_a, e_a * d, 0.0)
+        t_b = t_b * alpha_b - tl.where(fin_b, e_b * d, 0.0)
+        m_a = new_m_a
+        m_b = new_m_b
+
+    sum_a = tl.sum(s_a, axis=0)
+    sum_b = tl.sum(s_b, axis=0)
+    lg_a = tl.log2(sum_a)
+    lg_b = tl.log2(sum_b)
+    tot_a = tl.sum(t_a, axis=0)
+    tot_b = tl.sum(t_b, axis=0)
+    lse_a = LN2 * (m_a + lg_a)
+    lse_b = LN2 * (m_b + lg_b)
+    nan_row = (lse_a != lse_a) | (lse_b != lse_b)
+
+    common = (m_a - m_b) + (lg_a - lg_b)
+    kl_ab = LN2 * (tot_a / sum_a - common)
+    kl_ba = LN2 * (tot_b / sum_b + common)
+    # Exact values are >= 0; clamp the rounding noise (the comparisons keep NaN as NaN).
+    kl_ab = tl.where(kl_ab < 0.0, 0.0, kl_ab)
+    kl_ba = tl.where(kl_ba < 0.0, 0.0, kl_ba)
+    # A non-finite t means q has mass where p has none (see the module docstring): +inf.
+    kl_ab = tl.where((tot_a != tot_a) | (tot_a == float("inf")), float("inf"), kl_ab)
+    kl_ba = tl.where((tot_b != tot_b) | (tot_b == float("inf")), float("inf"), kl_ba)
+    kl_ab = tl.where(nan_row, float("nan"), kl_ab)
+    kl_ba = tl.where(nan_row, float("nan"), kl_ba)
+    entropy = LN2 * (lg_a - tl.sum(w_a, axis=0) / sum_a)
+    entropy = tl.where(entropy < 0.0, 0.0, entropy)
+
+    tl.store(out_ptr + row, lse_a)
+    tl.store(out_ptr + N + row, lse_b)
+    tl.store(out_ptr + 2 * N + row, kl_ab)
+    tl.store(out_ptr + 3 * N + row, kl_ba)
+    tl.store(out_ptr + 4 * N + row, entropy)
+    if HAS_LABELS:
+        label = tl.load(label_ptr + row)
+        valid = (label >= 0) & (label < V)
+        col = tl.where(valid, label, 0)
+        a2_l = tl.load(z_row + col).to(tl.float32) * scale
+        b2_l = tl.load(y_row + col).to(tl.float32) * scale
+        logp = tl.where(valid, LN2 * ((a2_l - m_a) - lg_a), 0.0)
+        logp_ref = tl.where(valid, LN2 * ((b2_l - m_b) - lg_b), 0.0)
+        tl.store(out_ptr + 5 * N + row, logp)
+        tl.store(out_ptr + 6 * N + row, logp_ref)
+
+
+@triton.jit
+def kl_logits_bwd_kernel(
+    z_ptr,
+    y_ptr,
+    label_ptr,
+    lse_a_ptr,
+    lse_b_ptr,
+    kl_ab_ptr,
+    kl_ba_ptr,
+    ent_ptr,
+    g1_ptr,
+    g2_ptr,
+    g3_ptr,
+    g4_ptr,
+    g5_ptr,
+    dz_ptr,
+    dy_ptr,
+    stride_z,
+    stride_y,
+    stride_dz,
+    stride_dy,
+    V,
+    scale,
+    inv_tau,
+    HAS_G1: tl.constexpr,
+    HAS_G2: tl.constexpr,
+    HAS_G3: tl.constexpr,
+    HAS_G4: tl.constexpr,
+    HAS_G5: tl.constexpr,
+    NEED_DZ: tl.constexpr,
+    NEED_DY: tl.constexpr,
+    USE_Z: tl.constexpr,
+    USE_Y: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Program ``(row, block)``. The row statistics and ``g*`` are float32 ``[N]``."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    inside = offs < V
+    neg_inf = float("-inf")
+    big = 3.0e38
+
+    lse_a = tl.load(lse_a_ptr + row)
+    lse_b = tl.load(lse_b_ptr + row)
+    if USE_Z:
+        zf = tl.load(z_ptr + row * stride_z + offs, mask=inside, other=neg_inf).to(tl.float32)
+        a2 = zf * scale
+        fin_a = a2 > neg_inf
+        la2 = a2 - lse_a * LOG2E  # log2 q
+        q = tl.exp2(la2)
+    if USE_Y:
+        yf = tl.load(y_ptr + row * stride_y + offs, mask=inside, other=neg_inf).to(tl.float32)
+        b2 = yf * scale
+        fin_b = b2 > neg_inf
+        p = tl.exp2(b2 - lse_b * LOG2E)
+    if USE_Z and USE_Y:
+        # a2 - b2, kept finite so that a zero coefficient times it is 0 on a row whose KL is +inf.
+        d = tl.minimum(tl.maximum((zf - yf) * scale, -big), big)
+        d_lse = (lse_a - lse_b) * LOG2E
+    if HAS_G4 or HAS_G5:
+        label = tl.load(label_ptr + row)
+        # label < 0: ignored, no gradient. label >= V: a token of another vocabulary shard, whose
+        # log-prob still depends on this shard through the normalizer: -g q here (onehot is 0).
+        counted = label >= 0
+        onehot = (offs == label).to(tl.float32)
+
+    if NEED_DZ:
+        dz = tl.zeros([BLOCK_V], dtype=tl.float32)
+        # Everything multiplied by q, in log2 units (times ln2 / tau below).
+        bracket = tl.zeros([BLOCK_V], dtype=tl.float32)
+        if HAS_G1:
+            g1 = tl.load(g1_ptr + row)
+            kl_ab = tl.load(kl_ab_ptr + row)
+            k1 = tl.where(g1 != 0.0, d_lse + kl_ab * LOG2E, 0.0)
+            bracket += g1 * (d - k1)
+        if HAS_G3:
+            g3 = tl.load(g3_ptr + row)
+            ent = tl.load(ent_ptr + row)
+            bracket -= g3 * (la2 + ent * LOG2E)
+        if HAS_G1 or HAS_G3:
+            dz += LN2 * tl.where(fin_a, q * bracket, 0.0)
+        if HAS_G2:
+            g2 = tl.load(g2_ptr + row)
+            dz += g2 * (q - p)
+        if HAS_G4:
+            g4 = tl.where(counted, tl.load(g4_ptr + row), 0.0)
+            dz += g4 * (onehot - q)
+        dz = dz * inv_tau
+        tl.store(dz_ptr + row * stride_dz + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
+
+    if NEED_DY:
+        dy = tl.zeros([BLOCK_V], dtype=tl.float32)
+        if HAS_G1:
+            g1 = tl.load(g1_ptr + row)
+            dy += g1 * (p - q)
+        if HAS_G2:
+            g2 = tl.load(g2_ptr + row)
+            kl_ba = tl.load(kl_ba_ptr + row)
+            k2 = tl.where(g2 != 0.0, kl_ba * LOG2E - d_lse, 0.0)
+            dy += (LN2 * g2) * tl.where(fin_b, p * (-d - k2), 0.0)
+        if HAS_G5:
+            g5 = tl.where(counted, tl.load(g5_ptr + row), 0.0)
+            dy += g5 * (onehot - p)
+        dy = dy * inv_tau
+        tl.store(dy_ptr + row * stride_dy + offs, dy.to(dy_ptr.dtype.element_ty), mask=inside)

@@ -1,0 +1,395 @@
+r"""Exact full-vocabulary KL between two sets of logits, with Triton kernels (GPU).
+
+For pi's logits ``z`` and ref's logits ``y`` (both ``[N, V]``) and a temperature :math:`\tau`, with
+:math:`a = z/\tau`, :math:`b = y/\tau`, :math:`q = \mathrm{softmax}(a)` (pi) and
+:math:`p = \mathrm{softmax}(b)` (ref), one streaming pass over the vocabulary (online softmax,
+float32 accumulation) gives per row
+
+.. math::
+    KL(\pi\|ref) = \sum_v q_v (\log q_v - \log p_v), \quad
+    KL(ref\|\pi) = \sum_v p_v (\log p_v - \log q_v), \quad
+    H(\pi) = -\sum_v q_v \log q_v,
+
+the log-normalizers and, optionally, the label log-probabilities :math:`a_l - \mathrm{lse}(a)` and
+:math:`b_l - \mathrm{lse}(b)`. The backward pass reads ``z`` and ``y`` once more and writes the
+gradients in the inputs' dtypes:
+
+.. math::
+    \partial/\partial z = \tfrac{1}{\tau}\big[g_1\, q\odot(\log q - \log p - KL(\pi\|ref))
+        + g_2 (q - p) - g_3\, q\odot(\log q + H) + g_4 (e_l - q)\big], \\
+    \partial/\partial y = \tfrac{1}{\tau}\big[g_1 (p - q)
+        + g_2\, p\odot(\log p - \log q - KL(ref\|\pi)) + g_5 (e_l - p)\big],
+
+with upstream gradients :math:`g_1..g_5` of the five per-row outputs (DESIGN.md section 3).
+
+This module imports without triton; :func:`triton_available` says whether the kernels can run
+(triton importable, and CUDA present or ``TRITON_INTERPRET=1``, which runs them on CPU tensors).
+The memory-bounded autograd path that calls these kernels is :mod:`klest.vocab`.
+
+Caller's contract (not checked here: a check would cost a device synchronisation):
+  * no NaN or ``+inf`` logits (a row that has them gives NaN everywhere);
+  * no row entirely ``-inf`` (it has no distribution; its outputs are NaN).
+``-inf`` entries are otherwise fine: they are outside the support (``0 log 0 = 0``), and mass of
+one distribution where the other has none makes that KL ``+inf`` (never NaN).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from types import ModuleType
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_MIN_BLOCK_V = 16
+_MAX_BLOCK_V = 65536
+# Default vocabulary block, with _num_warps(2048) = 8 warps: 8 elements per thread per tensor.
+# Compiled for sm_90 (ptxas -v, triton 3.9): the forward then uses ~100 registers and the backward
+# 64, with no spills, i.e. 2 forward (4 backward) programs per SM. 4096 with 16 warps gives the
+# same register count but one forward program per SM, whose per-block barriers then stall the SM;
+# 8192 spills. Untuned on hardware: re-measure on the target GPU.
+_DEFAULT_MAX_BLOCK_V = 2048
+_MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (the backward's vocabulary blocks)
+
+
+class KLRowStats(NamedTuple):
+    """Per-row results of :func:`kl_logits_forward`; every field is float32 ``[N]``."""
+
+    lse_z: Tensor
+    """``logsumexp(z / tau)``."""
+    lse_y: Tensor
+    """``logsumexp(y / tau)``."""
+    kl_pi_ref: Tensor
+    """``KL(softmax(z / tau) || softmax(y / tau))``."""
+    kl_ref_pi: Tensor
+    """``KL(softmax(y / tau) || softmax(z / tau))``."""
+    entropy: Tensor
+    """``H(softmax(z / tau))``."""
+    logp_label: Tensor
+    """``z[label] / tau - lse_z``; 0 where the label is outside ``[0, V)`` or ``labels`` is None."""
+    logp_ref_label: Tensor
+    """``y[label] / tau - lse_y``; 0 where the label is outside ``[0, V)`` or ``labels`` is None."""
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+@functools.cache
+def _triton_importable() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can run here: triton imports, and CUDA is available or
+    ``TRITON_INTERPRET=1`` (triton's CPU interpreter, for tests)."""
+    return _triton_importable() and (torch.cuda.is_available() or _interpreting())
+
+
+def _kernels() -> ModuleType:
+    if not _triton_importable():
+        raise RuntimeError(
+            "klest.kernels needs triton, which is not installed; use klest.vocab's PyTorch path"
+        )
+    from klest.kernels import _kl_logits_triton
+
+    return _kl_logits_triton
+
+
+def _check_device(z: Tensor) -> None:
+    if z.device.type == "cuda":
+        return
+    if not _interpreting():
+        raise RuntimeError(
+            f"the Triton KL kernels run on CUDA tensors, got a tensor on {z.device} "
+            "(set TRITON_INTERPRET=1 before triton is imported to run them on CPU, slowly)"
+        )
+
+
+def _check_logits(z: object, y: object) -> tuple[Tensor, Tensor]:
+    for name, t in (("z", z), ("y", y)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype not in _KERNEL_DTYPES:
+            raise TypeError(
+                f"{name} must be float32, bfloat16 or float16 (the kernels compute in float32), "
+                f"got {t.dtype}; use klest.categorical_kl for float64"
+            )
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D [N, V], got shape {tuple(t.shape)}")
+    assert isinstance(z, Tensor) and isinstance(y, Tensor)
+    if z.shape != y.shape:
+        raise ValueError(
+            f"z has shape {tuple(z.shape)} but y has shape {tuple(y.shape)}; they must match"
+        )
+    if z.device != y.device:
+        raise ValueError(f"z is on {z.device} but y is on {y.device}; they must be on one device")
+    if z.shape[1] == 0:
+        raise ValueError(f"z and y have an empty vocabulary (shape {tuple(z.shape)})")
+    # The kernels index rows by a stride and columns contiguously.
+    return (z if z.stride(1) == 1 else z.contiguous()), (y if y.stride(1) == 1 else y.contiguous())
+
+
+def _check_temperature(temperature: object) -> float:
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    tau = float(temperature)
+    if not (math.isfinite(tau) and tau > 0.0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return tau
+
+
+def _check_labels(labels: object, n: int, device: torch.device) -> Tensor | None:
+    if labels is None:
+        return None
+    if not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor of token ids, got {type(labels).__name__}")
+    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must hold integer token ids (int64), got dtype {labels.dtype}")
+    if labels.shape != (n,):
+        raise ValueError(
+            f"labels has shape {tuple(labels.shape)} but z has {n} rows; give one label per row, "
+            f"shape ({n},)"
+        )
+    if labels.device != device:
+        raise ValueError(f"labels is on {labels.device} but z is on {device}")
+    return labels.to(torch.int64).contiguous()
+
+
+def _row_vector(name: str, t: object, n: int, device: torch.device) -> Tensor:
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if not t.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
+    if t.shape != (n,):
+        raise ValueError(f"{name} has shape {tuple(t.shape)} but z has {n} rows; expected ({n},)")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but z is on {device}")
+    return t.to(torch.float32).contiguous()
+
+
+def _block_v(block_v: object, v: int) -> int:
+    """The vocabulary block: the given power of two, else ``min(2048, next_pow2(V))``."""
+    if block_v is None:
+        return max(_MIN_BLOCK_V, min(_DEFAULT_MAX_BLOCK_V, 1 << (v - 1).bit_length()))
+    if (
+        isinstance(block_v, bool)
+        or not isinstance(block_v, int)
+        or block_v < _MIN_BLOCK_V
+        or block_v > _MAX_BLOCK_V
+        or block_v & (block_v - 1)
+    ):
+        raise ValueError(
+            f"block_v must be a power of two in [{_MIN_BLOCK_V}, {_MAX_BLOCK_V}], got {block_v!r}"
+        )
+    return block_v
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _num_warps(block_v: int) -> int:
+    # About 8 elements per thread per tensor (one 16-byte load of bf16), 1 to 16 warps.
+    return max(1, min(16, block_v // 256))
+
+
+def kl_logits_forward(
+    z: Tensor,
+    y: Tensor,
+    *,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    block_v: int | None = None,
+) -> KLRowStats:
+    r"""Both KLs, pi's entropy, the log-normalizers and label log-probs, in one pass.
+
+    With :math:`a = z/\tau`, :math:`b = y/\tau`, :math:`q = \mathrm{softmax}(a)` (pi),
+    :math:`p = \mathrm{softmax}(b)` (ref), each row gets :math:`\mathrm{lse}(a)`,
+    :math:`\mathrm{lse}(b)`, :math:`KL(q\|p)`, :math:`KL(p\|q)`, :math:`H(q)` and
+    :math:`a_l - \mathrm{lse}(a)`, :math:`b_l - \mathrm{lse}(b)` for the row's label :math:`l`.
+    The kernel reads ``z`` and ``y`` once (online softmax over vocabulary blocks, float32
+    accumulators rescaled when the running maximum grows); nothing ``V``-sized is written.
+
+    No gradient is recorded: :func:`kl_logits_backward` gives the gradients (``klest.vocab``
+    wraps both in an ``autograd.Function``).
+
+    Args:
+      z: pi's logits ``[N, V]``, float32 / bfloat16 / float16, CUDA (or CPU under
+        ``TRITON_INTERPRET=1``). Any row stride; the last dimension is made contiguous.
+      y: ref's logits, same shape and device; its dtype may differ from ``z``'s.
+      temperature: :math:`\tau > 0`, dividing both logits.
+      labels: optional int ``[N]`` token ids. A negative label (an ignore index such as -100)
+        gives log-probs 0 and no gradient. A label ``>= V`` means a token of another vocabulary
+        shard (vocab-parallel): log-probs 0 here, and in the backward only the ``-g q`` part of
+        its gradient ``g (e_l - q)`` (``e_l`` lives on the shard that holds the token; pass the
+        global ``lse`` in ``stats``). Single-device callers should not pass labels ``>= V``.
+      block_v: vocabulary block (power of two, >= 16); default ``min(2048, next_pow2(V))``.
+
+    Returns:
+      :class:`KLRowStats`, every field float32 ``[N]``. KLs are ``+inf`` where one distribution
+      has mass where the other has none; a label whose logit is ``-inf`` has log-prob ``-inf``.
+      KLs and the entropy are clamped at 0 (their float32 rounding can dip below); equal inputs
+      give KLs of exactly 0.
+      Rows with NaN / ``+inf`` logits, or entirely ``-inf``, are the caller's to reject (NaN).
+    """
+    z, y = _check_logits(z, y)
+    tau = _check_temperature(temperature)
+    n, v = z.shape
+    labels = _check_labels(labels, n, z.device)
+    bv = _block_v(block_v, v)
+    out = torch.empty(7, n, dtype=torch.float32, device=z.device)
+    if labels is None:
+        out[5:].zero_()
+    if n > 0:
+        _check_device(z)
+        _kernels().kl_logits_fwd_kernel[(n,)](
+            z,
+            y,
+            out if labels is None else labels,  # unused when HAS_LABELS is False
+            out,
+            z.stride(0),
+            y.stride(0),
+            n,
+            v,
+            math.log2(math.e) / tau,
+            HAS_LABELS=labels is not None,
+            BLOCK_V=bv,
+            num_warps=_num_warps(bv),
+        )
+    return KLRowStats(*out.unbind(0))
+
+
+def kl_logits_backward(
+    z: Tensor,
+    y: Tensor,
+    stats: KLRowStats,
+    *,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    grad_kl_pi_ref: Tensor | None = None,
+    grad_kl_ref_pi: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+    grad_logp_label: Tensor | None = None,
+    grad_logp_ref_label: Tensor | None = None,
+    need_grad_z: bool = True,
+    need_grad_y: bool = False,
+    block_v: int | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    r"""Gradients of :math:`\sum_n [g_1 KL(\pi\|ref) + g_2 KL(ref\|\pi) + g_3 H + g_4 \log q_l +
+    g_5 \log p_l]_n` with respect to ``z`` and ``y``.
+
+    .. math::
+        \partial/\partial z = \tfrac{1}{\tau}\big[g_1\, q\odot(\log q - \log p - KL(\pi\|ref))
+            + g_2 (q - p) - g_3\, q\odot(\log q + H) + g_4 (e_l - q)\big]
+
+        \partial/\partial y = \tfrac{1}{\tau}\big[g_1 (p - q)
+            + g_2\, p\odot(\log p - \log q - KL(ref\|\pi)) + g_5 (e_l - p)\big]
+
+    ``q`` and ``p`` are recomputed from ``stats.lse_z`` / ``stats.lse_y``: the kernel reads ``z``
+    and ``y`` once and writes ``dz`` / ``dy`` once (grid: rows x vocabulary blocks).
+
+    Args:
+      z, y, temperature, labels: as given to :func:`kl_logits_forward`.
+      stats: what :func:`kl_logits_forward` returned for them; only ``lse_z``, ``lse_y``,
+        ``kl_pi_ref``, ``kl_ref_pi`` and ``entropy`` are read. For a shard of a vocabulary-parallel
+        row, pass the statistics of the whole row: the gradient of each shard is then exact.
+      grad_kl_pi_ref, grad_kl_ref_pi, grad_entropy, grad_logp_label, grad_logp_ref_label: upstream
+        gradients :math:`g_1..g_5`, float ``[N]`` (made float32), or None for a term without one.
+        ``grad_logp_label`` / ``grad_logp_ref_label`` need ``labels``. A zero upstream gradient
+        drops its term exactly, even on a row where that KL is ``+inf``; a non-zero one on such a
+        row gives an undefined (possibly inf / NaN) gradient, as the gradient does not exist.
+      need_grad_z, need_grad_y: which gradients to compute.
+      block_v: vocabulary block of the backward grid (power of two, >= 16).
+
+    Returns:
+      ``(dz, dy)``: contiguous ``[N, V]`` tensors in ``z``'s and ``y``'s dtypes (zeros where no
+      term reaches them), or None where not needed.
+    """
+    z, y = _check_logits(z, y)
+    tau = _check_temperature(temperature)
+    n, v = z.shape
+    dev = z.device
+    labels = _check_labels(labels, n, dev)
+    bv = _block_v(block_v, v)
+    if not isinstance(stats, tuple) or len(stats) != len(KLRowStats._fields):
+        raise TypeError("stats must be the KLRowStats returned by kl_logits_forward")
+    stats = KLRowStats(*stats)
+    lse_z = _row_vector("stats.lse_z", stats.lse_z, n, dev)
+    lse_y = _row_vector("stats.lse_y", stats.lse_y, n, dev)
+    kl_ab = _row_vector("stats.kl_pi_ref", stats.kl_pi_ref, n, dev)
+    kl_ba = _row_vector("stats.kl_ref_pi", stats.kl_ref_pi, n, dev)
+    ent = _row_vector("stats.entropy", stats.entropy, n, dev)
+    names = (
+        "grad_kl_pi_ref",
+        "grad_kl_ref_pi",
+        "grad_entropy",
+        "grad_logp_label",
+        "grad_logp_ref_label",
+    )
+    given = (grad_kl_pi_ref, grad_kl_ref_pi, grad_entropy, grad_logp_label, grad_logp_ref_label)
+    g = [
+        None if t is None else _row_vector(nm, t, n, dev)
+        for nm, t in zip(names, given, strict=True)
+    ]
+    g1, g2, g3, g4, g5 = g
+    if labels is None and (g4 is not None or g5 is not None):
+        raise ValueError("grad_logp_label / grad_logp_ref_label need the labels they refer to")
+
+    run_dz = bool(need_grad_z) and any(t is not None for t in (g1, g2, g3, g4))
+    run_dy = bool(need_grad_y) and any(t is not None for t in (g1, g2, g5))
+    both_sides = g1 is not None or g2 is not None
+    if _cdiv(v, bv) > _MAX_GRID_Y:
+        raise ValueError(
+            f"V = {v} needs {_cdiv(v, bv)} blocks of block_v = {bv}, over the grid limit "
+            f"{_MAX_GRID_Y}; use a larger block_v"
+        )
+    dz = torch.empty_like(z, memory_format=torch.contiguous_format) if run_dz else None
+    dy = torch.empty_like(y, memory_format=torch.contiguous_format) if run_dy else None
+    if n > 0 and (run_dz or run_dy):
+        _check_device(z)
+        dummy = lse_z
+        _kernels().kl_logits_bwd_kernel[(n, _cdiv(v, bv))](
+            z,
+            y,
+            dummy if labels is None else labels,
+            lse_z,
+            lse_y,
+            kl_ab,
+            kl_ba,
+            ent,
+            *(dummy if t is None else t for t in g),
+            dummy if dz is None else dz,
+            dummy if dy is None else dy,
+            z.stride(0),
+            y.stride(0),
+            v if dz is None else dz.stride(0),
+            v if dy is None else dy.stride(0),
+            v,
+            math.log2(math.e) / tau,
+            1.0 / tau,
+            HAS_G1=g1 is not None,
+            HAS_G2=g2 is not None,
+            HAS_G3=run_dz and g3 is not None,
+            HAS_G4=run_dz and g4 is not None,
+            HAS_G5=run_dy and g5 is not None,
+            NEED_DZ=run_dz,
+            NEED_DY=run_dy,
+            USE_Z=run_dz or (run_dy and both_sides),
+            USE_Y=run_dy or (run_dz and both_sides),
+            BLOCK_V=bv,
+            num_warps=_num_warps(bv),
+        )
+    if need_grad_z and dz is None:
+        dz = torch.zeros_like(z, memory_format=torch.contiguous_format)
+    if need_grad_y and dy is None:
+        dy = torch.zeros_like(y, memory_format=torch.contiguous_format)
+    return (dz if need_grad_z else None), (dy if need_grad_y else None)

@@ -1,0 +1,631 @@
+"""Triton KL-from-logits kernels against a float64 PyTorch reference (forward and backward).
+
+Without a GPU the kernels run in triton's interpreter (``TRITON_INTERPRET=1``, set below when CUDA
+is absent, and by CI): same kernel code, CPU tensors, so sizes are kept small. A separate test
+compiles both kernels for sm_90 to catch what the interpreter accepts but the GPU compiler does not.
+
+Tolerances. The reference gets the very same (already rounded) bf16/fp16 inputs, upcast to
+float64, so input rounding is not an error; what remains is
+  * float32 arithmetic in the kernel: forward values within ``1e-5 + 1e-5 |ref|``. Measured
+    worst case over the forward grid below: 1.5e-6 on lse (|lse| <= ~20), 3.7e-6 on KLs (values
+    up to ~20), 4.4e-7 on entropies, 1.7e-6 on label log-probs: a margin of 3 or more;
+  * for gradients, float32 arithmetic, which for terms like ``q (log q - log p - KL)`` is relative
+    to the size of the row's gradient rather than to each entry (measured <= 1.8e-6 of
+    ``max |grad|``, hence ``1e-5 max |ref|``), plus the rounding of the result to the output
+    dtype: half an ulp on a GPU (2^-24, 2^-11, 2^-8 relative for fp32 / fp16 / bf16), but a whole
+    ulp for bf16 under the interpreter, which truncates float32 -> bfloat16 (measured 7.45e-3
+    relative against a 2^-7 = 7.8e-3 bound). So ``|d - ref| <= rtol(dtype) |ref| + 1e-5 max|ref|``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+if HAS_TRITON and not torch.cuda.is_available():
+    # Must happen before the kernels are decorated (they are imported lazily, on first use).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import klest  # noqa: E402
+from klest.kernels import (  # noqa: E402
+    KLRowStats,
+    kl_logits_backward,
+    kl_logits_forward,
+    triton_available,
+)
+
+needs_triton = pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed (pip install triton)"
+)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEV = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+INF = math.inf
+
+FWD_ATOL = 1e-5
+FWD_RTOL = 1e-5
+# Triton's interpreter truncates float32 -> bfloat16 (the GPU rounds to nearest): a full ulp there.
+BF16_ROUNDING = 2.0**-7 if INTERPRET else 2.0**-8
+GRAD_RTOL = {
+    torch.float32: 1e-5,
+    torch.float16: 2.0**-11 + 1e-5,
+    torch.bfloat16: BF16_ROUNDING + 1e-5,
+}
+GRAD_ATOL_FRAC = 1e-5
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+FIELDS = KLRowStats._fields
+GRAD_NAMES = (
+    "grad_kl_pi_ref",
+    "grad_kl_ref_pi",
+    "grad_entropy",
+    "grad_logp_label",
+    "grad_logp_ref_label",
+)
+
+# The interpreter evaluates the kernels' masked lanes too (e.g. -inf - -inf, or a coefficient times
+# the float32 maximum standing in for +inf), all selected away afterwards; numpy warns.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+]
+
+
+# ----------------------------------------------------------------------------- reference
+
+
+def reference(z, y, tau=1.0, labels=None):
+    """The seven per-row outputs in float64, by log_softmax; differentiable (0 log 0 = 0)."""
+    a = z.double() / tau
+    b = y.double() / tau
+    la, lb = a.log_softmax(-1), b.log_softmax(-1)
+    q, p = la.exp(), lb.exp()
+    fa, fb = a > -INF, b > -INF
+
+    def kl(w, lw, lv, fw, fv):
+        # sum w (lw - lv) over w's support; +inf where w has mass and v has none. Both masks are
+        # applied so that a row with an infinite KL still has a finite, zero-weighted gradient.
+        both = fw & fv
+        diff = torch.where(both, lw - lv, torch.zeros_like(lw))
+        finite = (w * diff).sum(-1)
+        return torch.where((fw & ~fv).any(-1), torch.full_like(finite, INF), finite)
+
+    out = {
+        "lse_z": a.logsumexp(-1),
+        "lse_y": b.logsumexp(-1),
+        "kl_pi_ref": kl(q, la, lb, fa, fb),
+        "kl_ref_pi": kl(p, lb, la, fb, fa),
+        "entropy": -(q * torch.where(fa, la, torch.zeros_like(la))).sum(-1),
+    }
+    n, v = z.shape
+    if labels is None:
+        out["logp_label"] = out["logp_ref_label"] = torch.zeros(n, dtype=torch.float64)
+    else:
+        valid = (labels >= 0) & (labels < v)
+        idx = torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(-1)
+        zero = torch.zeros(n, dtype=torch.float64)
+        out["logp_label"] = torch.where(valid, la.gather(-1, idx).squeeze(-1), zero)
+        out["logp_ref_label"] = torch.where(valid, lb.gather(-1, idx).squeeze(-1), zero)
+    return out
+
+
+def reference_grads(z, y, tau, labels, grads):
+    """Autograd of sum_n sum_k g_k[n] * output_k[n] (float64) w.r.t. z and y."""
+    zz = z.detach().double().requires_grad_(True)
+    yy = y.detach().double().requires_grad_(True)
+    out = reference(zz, yy, tau, labels)
+    keys = ("kl_pi_ref", "kl_ref_pi", "entropy", "logp_label", "logp_ref_label")
+    loss = sum(
+        (g.double() * out[k]).sum() for k, g in zip(keys, grads, strict=True) if g is not None
+    )
+    dz, dy = torch.autograd.grad(loss, (zz, yy), allow_unused=True)
+    dz = torch.zeros_like(zz) if dz is None else dz
+    return dz, (torch.zeros_like(yy) if dy is None else dy)
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def logits(n, v, dtype, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    z = (torch.randn(n, v, generator=g, dtype=torch.float64) * scale).to(dtype)
+    y = (torch.randn(n, v, generator=g, dtype=torch.float64) * scale).to(dtype)
+    return z, y
+
+
+def to_dev(*ts):
+    return tuple(None if t is None else t.to(DEV) for t in ts)
+
+
+def assert_close(got, want, *, atol, rtol, what):
+    """Elementwise |got - want| <= atol + rtol |want|, with equal infinities; reports the worst."""
+    got = got.detach().cpu().double()
+    want = want.detach().cpu().double()
+    assert not torch.isnan(got).any(), f"{what}: NaN at {torch.isnan(got).nonzero().tolist()}"
+    inf_got, inf_want = torch.isinf(got), torch.isinf(want)
+    assert torch.equal(inf_got, inf_want), f"{what}: infinities differ: {got} vs {want}"
+    assert torch.equal(got[inf_got], want[inf_want]), f"{what}: signs of infinities differ"
+    g, w = got[~inf_got], want[~inf_want]
+    err = (g - w).abs()
+    bound = atol + rtol * w.abs()
+    bad = err > bound
+    if bad.any():
+        i = int((err - bound).argmax())
+        raise AssertionError(
+            f"{what}: {int(bad.sum())} of {err.numel()} entries off; worst at flat index {i}: "
+            f"got {float(g[i]):.9g}, want {float(w[i]):.9g}, |diff| {float(err[i]):.3g} > "
+            f"{float(bound[i]):.3g}"
+        )
+
+
+def check_forward(stats, ref, what=""):
+    for name in FIELDS:
+        got = getattr(stats, name)
+        assert got.dtype == torch.float32 and got.shape == ref[name].shape, name
+        assert_close(got, ref[name], atol=FWD_ATOL, rtol=FWD_RTOL, what=f"{what} {name}")
+
+
+def check_grad(got, want, dtype, what):
+    assert got.dtype == dtype, f"{what}: dtype {got.dtype}, expected {dtype}"
+    scale = float(want.abs().max())
+    assert_close(got, want, atol=GRAD_ATOL_FRAC * scale, rtol=GRAD_RTOL[dtype], what=what)
+
+
+# ----------------------------------------------------------------------------- availability
+
+
+def test_imports_without_triton():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import klest.kernels as k\n"
+        "assert not k.triton_available()\n"
+        "import torch\n"
+        "try:\n"
+        "    k.kl_logits_forward(torch.zeros(1, 2), torch.zeros(1, 2))\n"
+        "except RuntimeError as e:\n"
+        "    assert 'needs triton' in str(e), e\n"
+        "else:\n"
+        "    raise AssertionError('no error without triton')\n"
+    )
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    src = os.path.join(os.path.dirname(klest.__file__), os.pardir)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+
+
+@needs_triton
+def test_triton_available():
+    assert triton_available()
+
+
+# ----------------------------------------------------------------------------- forward
+
+SHAPES = [(1, 1), (1, 64), (3, 37), (2, 64), (4, 200), (5, 129)]  # with BLOCK_V = 64
+
+
+@needs_triton
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tau", [1.0, 0.7, 2.0])
+def test_forward_matches_reference(shape, dtype, tau):
+    n, v = shape
+    z, y = logits(n, v, dtype, seed=n * 1000 + v)
+    labels = torch.arange(n) * 7 % v
+    stats = kl_logits_forward(*to_dev(z, y), temperature=tau, labels=labels.to(DEV), block_v=64)
+    check_forward(stats, reference(z, y, tau, labels), f"{shape} {dtype} tau={tau}")
+
+
+@needs_triton
+@pytest.mark.parametrize("block_v", [16, 32, None])
+def test_forward_block_sizes_and_mixed_dtypes(block_v):
+    z, y = logits(3, 101, torch.float32, seed=7)
+    z = z.to(torch.bfloat16)  # z and y in different dtypes
+    stats = kl_logits_forward(*to_dev(z, y), temperature=0.7, block_v=block_v)
+    check_forward(stats, reference(z, y, 0.7), f"block_v={block_v}")
+
+
+@needs_triton
+def test_forward_agrees_with_categorical_kl():
+    z, y = logits(3, 150, torch.float32, seed=3)
+    stats = kl_logits_forward(*to_dev(z, y), block_v=64)
+    for got, direction in ((stats.kl_pi_ref, "pi||ref"), (stats.kl_ref_pi, "ref||pi")):
+        want = klest.categorical_kl(z.double(), y.double(), direction=direction)
+        assert_close(got, want, atol=FWD_ATOL, rtol=FWD_RTOL, what=direction)
+
+
+@needs_triton
+def test_forward_strided_rows():
+    big_z, big_y = logits(4, 300, torch.float32, seed=11)
+    z, y = big_z[::2, 10:210], big_y[1::2, 50:250]  # row strides 600 and 600, offsets
+    assert not z.is_contiguous()
+    stats = kl_logits_forward(*to_dev(z, y), block_v=64)
+    check_forward(stats, reference(z, y), "strided")
+    zt = big_z[:, :200].t().contiguous().t()  # column-major: made contiguous internally
+    stats = kl_logits_forward(*to_dev(zt, big_y[:, :200]), block_v=64)
+    check_forward(stats, reference(zt, big_y[:, :200]), "column-major")
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_identical_inputs_give_exactly_zero(dtype):
+    z, _ = logits(4, 200, dtype, seed=5)
+    z[1, 3:150] = -INF
+    stats = kl_logits_forward(*to_dev(z, z.clone()), temperature=0.7, block_v=64)
+    assert (stats.kl_pi_ref == 0).all() and (stats.kl_ref_pi == 0).all()
+    # The same values in another dtype are the same float32 numbers after the upcast.
+    stats = kl_logits_forward(*to_dev(z, z.float()), block_v=64)
+    assert (stats.kl_pi_ref == 0).all() and (stats.kl_ref_pi == 0).all()
+
+
+@needs_triton
+def test_invariant_to_a_per_row_shift():
+    z, y = logits(3, 200, torch.float32, seed=9)
+    shift = torch.tensor([[-50.0], [0.5], [80.0]])
+    s0 = kl_logits_forward(*to_dev(z, y), block_v=64)
+    s1 = kl_logits_forward(*to_dev(z + shift, y - shift), block_v=64)
+    for name in ("kl_pi_ref", "kl_ref_pi", "entropy"):
+        # |shift| <= 80: the shifted logits carry float32 rounding of ~80 * 2^-24 each.
+        assert_close(getattr(s1, name), getattr(s0, name), atol=5e-5, rtol=1e-5, what=name)
+
+
+@needs_triton
+def test_large_logit_ranges_do_not_overflow():
+    # |logits| up to ~1e4 (DESIGN.md section 4) and a maximum that grows block after block, so
+    # the running sums are rescaled by factors that underflow to 0.
+    z, y = logits(3, 256, torch.float32, seed=13, scale=2000.0)
+    z[0] = torch.linspace(-1e4, 1e4, 256)
+    y[1] = torch.linspace(1e4, -1e4, 256)
+    z[2, :128], y[2, :128] = z[2, :128] / 1000, y[2, :128] / 1000
+    stats = kl_logits_forward(*to_dev(z, y), temperature=0.7, block_v=64)
+    check_forward(stats, reference(z, y, 0.7), "large logits")
+
+
+# ----------------------------------------------------------------------------- -inf support
+
+
+def masked_rows(dtype):
+    """Rows whose -inf patterns cover each case; returns z, y and the expected infinite KLs."""
+    z, y = logits(7, 200, torch.float32, seed=17)
+    z[0, 5:190] = y[0, 5:190] = -INF  # a shared mask, including whole blocks
+    z[1, :150] = y[1, :150] = -INF  # the first blocks entirely -inf (running max starts at -inf)
+    z[2, 40:] = -INF  # pi's support inside ref's: KL(pi||ref) finite, KL(ref||pi) = +inf
+    y[3, ::3] = -INF  # ref misses some of pi's support: KL(pi||ref) = +inf
+    z[4, 199] = -INF  # a single -inf in the last, partial block: KL(ref||pi) = +inf
+    y[4, :64] = -INF  # and a whole block of ref: KL(pi||ref) = +inf
+    z[5, 100:] = -INF  # disjoint supports: both KLs +inf
+    y[5, :100] = -INF
+    z[6, 10] = -30.0  # an entry with far-below-max mass where ref has none: still +inf
+    z[6, 11:] = z[6, 11:] + 100.0
+    y[6, 10] = -INF
+    inf_ab = torch.tensor([False, False, False, True, True, True, True])
+    inf_ba = torch.tensor([False, False, True, False, True, True, False])
+    return z.to(dtype), y.to(dtype), inf_ab, inf_ba
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_minus_inf_forward(dtype):
+    z, y, inf_ab, inf_ba = masked_rows(dtype)
+    labels = torch.tensor([3, 0, 100, 3, 199, 150, 10])  # rows 1, 2, 4, 5 hit -inf under pi
+    stats = kl_logits_forward(*to_dev(z, y), temperature=0.7, labels=labels.to(DEV), block_v=64)
+    ref = reference(z, y, 0.7, labels)
+    check_forward(stats, ref, f"-inf {dtype}")
+    assert torch.equal(torch.isinf(stats.kl_pi_ref).cpu(), inf_ab)
+    assert torch.equal(torch.isinf(stats.kl_ref_pi).cpu(), inf_ba)
+    assert torch.equal(stats.logp_label.isinf().cpu(), torch.tensor([0, 1, 1, 0, 1, 1, 0]).bool())
+    for name in FIELDS:
+        assert not getattr(stats, name).isnan().any(), name
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_minus_inf_backward(dtype):
+    """Finite terms' gradients are exact; an infinite KL with upstream gradient 0 adds nothing."""
+    z, y, inf_ab, inf_ba = masked_rows(dtype)
+    labels = torch.tensor([3, 160, 1, 4, 100, -100, 11])  # on both supports, or ignored
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(7, generator=g) for _ in range(5)]
+    grads[0] = torch.where(inf_ab, 0.0, grads[0])
+    grads[1] = torch.where(inf_ba, 0.0, grads[1])
+    stats = kl_logits_forward(*to_dev(z, y), temperature=0.7, labels=labels.to(DEV), block_v=64)
+    dz, dy = kl_logits_backward(
+        *to_dev(z, y),
+        stats,
+        temperature=0.7,
+        labels=labels.to(DEV),
+        **dict(zip(GRAD_NAMES, to_dev(*grads), strict=True)),
+        need_grad_y=True,
+        block_v=64,
+    )
+    rz, ry = reference_grads(z, y, 0.7, labels, grads)
+    check_grad(dz, rz, dtype, "dz with -inf")
+    check_grad(dy, ry, dtype, "dy with -inf")
+    # Outside pi's support the z-gradient is exactly 0 (no mass, no label there); likewise y.
+    assert (dz.cpu()[z == -INF] == 0).all()
+    assert (dy.cpu()[y == -INF] == 0).all()
+
+
+# ----------------------------------------------------------------------------- backward
+
+TERMS = {
+    "kl_pi_ref": (0,),
+    "kl_ref_pi": (1,),
+    "entropy": (2,),
+    "logp_label": (3,),
+    "logp_ref_label": (4,),
+    "all": (0, 1, 2, 3, 4),
+}
+
+
+@needs_triton
+@pytest.mark.parametrize("term", list(TERMS))
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 64), (4, 157)], ids=lambda s: f"{s[0]}x{s[1]}")
+def test_backward_each_term(term, dtype, shape):
+    n, v = shape
+    tau = 0.7
+    z, y = logits(n, v, dtype, seed=v)
+    labels = torch.arange(n) * 37 % v
+    labels[-1] = -100  # an ignored row
+    gen = torch.Generator().manual_seed(1)
+    grads = [None] * 5
+    for k in TERMS[term]:
+        grads[k] = torch.randn(n, generator=gen) * 3  # non-unit, mixed-sign upstream grads
+    stats = kl_logits_forward(*to_dev(z, y), temperature=tau, labels=labels.to(DEV), block_v=64)
+    dz, dy = kl_logits_backward(
+        *to_dev(z, y),
+        stats,
+        temperature=tau,
+        labels=labels.to(DEV),
+        **dict(zip(GRAD_NAMES, to_dev(*grads), strict=True)),
+        need_grad_y=True,
+        block_v=64,
+    )
+    rz, ry = reference_grads(z, y, tau, labels, grads)
+    check_grad(dz, rz, dtype, f"dz [{term}]")
+    check_grad(dy, ry, dtype, f"dy [{term}]")
+    if term in ("entropy", "logp_label"):
+        assert (dy == 0).all()  # terms of pi alone do not reach ref's logits
+    if term == "logp_ref_label":
+        assert (dz == 0).all()
+
+
+@needs_triton
+@pytest.mark.parametrize("tau", [1.0, 2.0])
+@pytest.mark.parametrize(("need_z", "need_y"), [(True, False), (False, True), (True, True)])
+def test_backward_one_side_and_temperatures(tau, need_z, need_y):
+    z, y = logits(3, 100, torch.float32, seed=21)
+    y = y.to(torch.float16)
+    labels = torch.tensor([5, 99, 0])
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(3, generator=gen) for _ in range(5)]
+    stats = kl_logits_forward(*to_dev(z, y), temperature=tau, labels=labels.to(DEV), block_v=32)
+    dz, dy = kl_logits_backward(
+        *to_dev(z, y),
+        stats,
+        temperature=tau,
+        labels=labels.to(DEV),
+        **dict(zip(GRAD_NAMES, to_dev(*grads), strict=True)),
+        need_grad_z=need_z,
+        need_grad_y=need_y,
+        block_v=32,
+    )
+    rz, ry = reference_grads(z, y, tau, labels, grads)
+    assert (dz is None) == (not need_z) and (dy is None) == (not need_y)
+    if need_z:
+        check_grad(dz, rz, torch.float32, "dz")
+    if need_y:
+        check_grad(dy, ry, torch.float16, "dy")
+
+
+@needs_triton
+def test_backward_without_terms_gives_zeros():
+    z, y = logits(2, 50, torch.bfloat16, seed=4)
+    stats = kl_logits_forward(*to_dev(z, y))
+    dz, dy = kl_logits_backward(*to_dev(z, y), stats, need_grad_y=True)
+    assert dz.dtype == torch.bfloat16 and (dz == 0).all() and (dy == 0).all()
+    # Only pi's terms: dy is zeros without running the kernel on y's side.
+    g = torch.ones(2, device=DEV)
+    dz, dy = kl_logits_backward(*to_dev(z, y), stats, grad_entropy=g, need_grad_y=True)
+    assert (dy == 0).all() and (dz != 0).any()
+    assert kl_logits_backward(*to_dev(z, y), stats, grad_entropy=g, need_grad_z=False) == (
+        None,
+        None,
+    )
+
+
+@needs_triton
+def test_ignored_and_foreign_labels():
+    """label < 0: log-probs 0, no gradient. label >= V (another shard's token): log-probs 0 here
+    and the gradient's softmax part, -g q / tau on z and -g p / tau on y."""
+    z, y = logits(4, 70, torch.float32, seed=6)
+    labels = torch.tensor([-100, 70, 1000, 69])
+    tau = 2.0
+    stats = kl_logits_forward(*to_dev(z, y), temperature=tau, labels=labels.to(DEV), block_v=32)
+    assert (stats.logp_label[:3] == 0).all() and (stats.logp_ref_label[:3] == 0).all()
+    g4, g5 = torch.tensor([1.5, -2.0, 0.5, 3.0]), torch.tensor([-1.0, 0.25, 2.0, -0.5])
+    dz, dy = kl_logits_backward(
+        *to_dev(z, y),
+        stats,
+        temperature=tau,
+        labels=labels.to(DEV),
+        grad_logp_label=g4.to(DEV),
+        grad_logp_ref_label=g5.to(DEV),
+        need_grad_y=True,
+        block_v=32,
+    )
+    assert (dz[0] == 0).all() and (dy[0] == 0).all()
+    q = (z.double() / tau).softmax(-1)
+    p = (y.double() / tau).softmax(-1)
+    foreign = slice(1, 3)
+    check_grad(dz[foreign], -g4[foreign, None] * q[foreign] / tau, torch.float32, "dz foreign")
+    check_grad(dy[foreign], -g5[foreign, None] * p[foreign] / tau, torch.float32, "dy foreign")
+    rz, ry = reference_grads(z[3:], y[3:], tau, labels[3:], [None, None, None, g4[3:], g5[3:]])
+    check_grad(dz[3:], rz, torch.float32, "dz")
+    check_grad(dy[3:], ry, torch.float32, "dy")
+
+
+def combine_shards(parts):
+    """Whole-row statistics from per-shard ones (float64), the vocab-parallel reduction.
+
+    With shard k's normalizers L_k and the row's L = logsumexp_k L_k, shard k holds the mass
+    w_k = exp(L_k - L), and its local KL(q_k||p_k) = E_{q_k}[a - b] - La_k + Lb_k, so
+      KL(q||p) = sum_k wa_k (KL_k + La_k - Lb_k) - La + Lb,   H(q) = La - sum_k wa_k (La_k - H_k),
+      log q_l = (log q_k)_l + La_k - La on the shard that holds l."""
+    st = {f: torch.stack([getattr(s, f).double().cpu() for _, s in parts]) for f in FIELDS}
+    owner = torch.stack([(lab >= 0) & (lab < w) for (lab, w), _ in parts]).double()
+    la, lb = st["lse_z"].logsumexp(0), st["lse_y"].logsumexp(0)
+    wa, wb = (st["lse_z"] - la).exp(), (st["lse_y"] - lb).exp()
+    return {
+        "lse_z": la,
+        "lse_y": lb,
+        "kl_pi_ref": (wa * (st["kl_pi_ref"] + st["lse_z"] - st["lse_y"])).sum(0) - la + lb,
+        "kl_ref_pi": (wb * (st["kl_ref_pi"] + st["lse_y"] - st["lse_z"])).sum(0) - lb + la,
+        "entropy": la - (wa * (st["lse_z"] - st["entropy"])).sum(0),
+        "logp_label": (owner * (st["logp_label"] + st["lse_z"] - la)).sum(0),
+        "logp_ref_label": (owner * (st["logp_ref_label"] + st["lse_y"] - lb)).sum(0),
+    }
+
+
+@needs_triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_vocabulary_shards_compose(dtype):
+    """Vocab-parallel use: per-shard forwards combine into the row's statistics; per-shard
+    backwards given the row's statistics are the row's gradient, column for column."""
+    n, v, tau = 4, 150, 0.7
+    z, y = logits(n, v, dtype, seed=31)
+    z[0, 100:] = y[0, 100:] = -INF
+    labels = torch.tensor([5, 120, -100, 69])
+    gen = torch.Generator().manual_seed(3)
+    upstream = to_dev(*[torch.randn(n, generator=gen) for _ in range(5)])
+    grads = dict(zip(GRAD_NAMES, upstream, strict=True))
+    z, y, labels_d = to_dev(z, y, labels)
+    whole = kl_logits_forward(z, y, temperature=tau, labels=labels_d, block_v=32)
+    dz, dy = kl_logits_backward(
+        z, y, whole, temperature=tau, labels=labels_d, **grads, need_grad_y=True, block_v=32
+    )
+    parts, dzs, dys = [], [], []
+    for lo, hi in ((0, 70), (70, v)):
+        local = labels_d - lo
+        local = torch.where((local >= 0) & (local < hi - lo), local, hi - lo)  # foreign: >= V
+        local = torch.where(labels_d < 0, labels_d, local)  # ignored stays ignored
+        zs, ys = z[:, lo:hi], y[:, lo:hi]  # strided views
+        stats = kl_logits_forward(zs, ys, temperature=tau, labels=local, block_v=32)
+        parts.append(((local.cpu(), hi - lo), stats))
+        gz, gy = kl_logits_backward(
+            zs, ys, whole, temperature=tau, labels=local, **grads, need_grad_y=True, block_v=32
+        )
+        dzs.append(gz)
+        dys.append(gy)
+    combined = combine_shards(parts)
+    for name in FIELDS:
+        # Combining float32 statistics of size ~10 cancels: a few float32 ulps of 10 (~1e-6).
+        want = getattr(whole, name).double().cpu()
+        assert_close(combined[name], want, atol=2e-5, rtol=1e-5, what=f"combined {name}")
+    # The backward is elementwise given the row statistics: bit-for-bit the same columns.
+    assert torch.equal(torch.cat(dzs, 1), dz) and torch.equal(torch.cat(dys, 1), dy)
+
+
+# ----------------------------------------------------------------------------- bad input
+
+
+def test_bad_inputs():
+    z = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match=r"z has shape \(2, 5\) but y has shape \(2, 4\)"):
+        kl_logits_forward(z, torch.zeros(2, 4))
+    with pytest.raises(ValueError, match=r"z must be 2-D \[N, V\], got shape \(5,\)"):
+        kl_logits_forward(torch.zeros(5), torch.zeros(5))
+    with pytest.raises(ValueError, match="empty vocabulary"):
+        kl_logits_forward(torch.zeros(2, 0), torch.zeros(2, 0))
+    with pytest.raises(TypeError, match="y must be float32, bfloat16 or float16"):
+        kl_logits_forward(z, z.double())
+    with pytest.raises(TypeError, match="z must be float32, bfloat16 or float16"):
+        kl_logits_forward(z.long(), z)
+    with pytest.raises(TypeError, match=r"z must be a torch\.Tensor, got list"):
+        kl_logits_forward([[0.0]], z)
+    with pytest.raises(ValueError, match=r"labels has shape \(3,\) but z has 2 rows"):
+        kl_logits_forward(z, z, labels=torch.zeros(3, dtype=torch.long))
+    with pytest.raises(TypeError, match="labels must hold integer token ids"):
+        kl_logits_forward(z, z, labels=torch.zeros(2))
+    with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        kl_logits_forward(z, z, temperature=0.0)
+    with pytest.raises(ValueError, match="block_v must be a power of two"):
+        kl_logits_forward(z, z, block_v=100)
+    stats = KLRowStats(*[torch.zeros(2)] * 7)
+    with pytest.raises(ValueError, match=r"grad_entropy has shape \(3,\) but z has 2 rows"):
+        kl_logits_backward(z, z, stats, grad_entropy=torch.zeros(3))
+    with pytest.raises(ValueError, match="need the labels"):
+        kl_logits_backward(z, z, stats, grad_logp_label=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"stats\.lse_z has shape \(3,\)"):
+        kl_logits_backward(z, z, KLRowStats(*[torch.zeros(3)] * 7))
+
+
+@needs_triton
+def test_empty_batch():
+    stats = kl_logits_forward(*to_dev(torch.zeros(0, 5), torch.zeros(0, 5)))
+    assert all(getattr(stats, f).shape == (0,) for f in FIELDS)
+
+
+# ----------------------------------------------------------------------------- GPU compile
+
+_COMPILE_FOR_SM90 = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from klest.kernels import _kl_logits_triton as kern
+
+ints = dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "N", "V"), "i32")
+fwd = {"z_ptr": "*bf16", "y_ptr": "*fp16", "label_ptr": "*i64", "out_ptr": "*fp32",
+       **{k: ints[k] for k in ("stride_z", "stride_y", "N", "V")}, "scale": "fp32",
+       "HAS_LABELS": "constexpr", "BLOCK_V": "constexpr"}
+flags = ("HAS_G1", "HAS_G2", "HAS_G3", "HAS_G4", "HAS_G5", "NEED_DZ", "NEED_DY", "USE_Z", "USE_Y")
+rows = ("lse_a_ptr", "lse_b_ptr", "kl_ab_ptr", "kl_ba_ptr", "ent_ptr",
+        "g1_ptr", "g2_ptr", "g3_ptr", "g4_ptr", "g5_ptr")
+bwd = {"z_ptr": "*bf16", "y_ptr": "*fp32", "label_ptr": "*i64", **dict.fromkeys(rows, "*fp32"),
+       "dz_ptr": "*bf16", "dy_ptr": "*fp32",
+       **{k: ints[k] for k in ("stride_z", "stride_y", "stride_dz", "stride_dy", "V")},
+       "scale": "fp32", "inv_tau": "fp32", **dict.fromkeys(flags, "constexpr"),
+       "BLOCK_V": "constexpr"}
+every = dict.fromkeys(flags, True)
+pi_only = {**dict.fromkeys(flags, False), "HAS_G3": True, "HAS_G4": True, "NEED_DZ": True,
+           "USE_Z": True}
+ref_only = {**dict.fromkeys(flags, False), "HAS_G5": True, "NEED_DY": True, "USE_Y": True}
+jobs = [(kern.kl_logits_fwd_kernel, fwd, {"HAS_LABELS": h, "BLOCK_V": 2048}) for h in (True, False)]
+for c in (every, pi_only, ref_only):
+    jobs.append((kern.kl_logits_bwd_kernel, bwd, {**c, "BLOCK_V": 1024}))
+for fn, sig, const in jobs:
+    const = {(fn.arg_names.index(k),): v for k, v in const.items()}  # the older key form
+    src = ASTSource(fn=fn, signature=sig, constexprs=const)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+    assert ".target sm_90" in compiled.asm["ptx"], (fn, const)
+print("compiled")
+"""
+
+
+def _triton_version() -> tuple[int, ...]:
+    import triton
+
+    return tuple(int(x) for x in triton.__version__.split(".")[:2] if x.isdigit())
+
+
+@needs_triton
+def test_kernels_compile_for_sm90():
+    """The interpreter runs code that the GPU compiler rejects (e.g. a global that is not a
+    constexpr): compile both kernels for an H100 (sm_90), which needs no GPU. In a subprocess,
+    because triton's interpreter (TRITON_INTERPRET=1) cannot compile."""
+    if _triton_version() < (3, 3):
+        pytest.skip("the compile call below uses the signature format of triton >= 3.3")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # silences a triton 3.9 notice
+    src = os.path.join(os.path.dirname(klest.__file__), os.pardir)
+    env["PYTHONPATH"] = os.pathsep.join([os.path.abspath(src), env.get("PYTHONPATH", "")])
+    res = subprocess.run(
+        [sys.executable, "-c", _COMPILE_FOR_SM90], env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0 and "compiled" in res.stdout, res.stderr[-4000:]
