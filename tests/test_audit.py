@@ -62,3 +62,22 @@ def test_spec_labels():
     assert EstimatorSpec.parse("cv:ema").fitted
     assert not EstimatorSpec.parse("k1").fitted
     assert torch.is_tensor(GaussianTestbed.schulman(0.1).exact_kl())
+
+
+def test_mean_shift_z_is_calibrated_under_the_null_and_detects_a_shift():
+    from klest.audit import mean_shift_z
+
+    g = torch.Generator().manual_seed(0)
+    dim, n = 30, 200
+    mix = torch.randn(dim, dim, generator=g, dtype=torch.float64) / dim**0.5
+    zs = []
+    for _ in range(300):
+        draws = torch.randn(n, dim, generator=g, dtype=torch.float64) @ mix
+        zs.append(mean_shift_z(draws, torch.zeros(dim, dtype=torch.float64)))
+    zs = torch.tensor(zs)
+    # 300 null replicates: mean within 4 se (se = 1/sqrt(300)) of 0, sd near 1, no z above 4.
+    assert abs(float(zs.mean())) < 4 / 300**0.5
+    assert 0.8 < float(zs.std()) < 1.2
+    assert float(zs.max()) < 4
+    shifted = torch.randn(n, dim, generator=g, dtype=torch.float64) @ mix + 0.2
+    assert mean_shift_z(shifted, torch.zeros(dim, dtype=torch.float64)) > 4

@@ -239,6 +239,15 @@ class TabularAutoregressive(Testbed):
         with torch.no_grad():
             return self._expect_token_sum(self.logits, self.logits_ref, fn)
 
+    def sequence_log_probs(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Every sequence with its log-probability under pi (with graph) and under ref.
+
+        Returns ``(tokens [S, T], log pi(y) [S], log ref(y) [S])`` by enumeration.
+        """
+        tokens, _ = self.all_sequences()
+        la, lb, _ = self._enumerated_token_logprobs(self.logits, self.logits_ref)
+        return tokens, la.sum(-1), lb.sum(-1)
+
     def sequence_expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
         """Exact ``E_{y~pi}[fn(sum_t delta_t)]`` of a function of the *sequence* log-ratio.
 
