@@ -8,6 +8,7 @@ masks, values) are checked exactly.
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
@@ -303,3 +304,53 @@ def test_bad_input():
         klest.kl_penalty(g.logp, g.logp_ref, grad="pathwise", logp_behavior=g.logp.detach())
     with pytest.raises(ValueError, match="gradient spec"):
         GradSpec.parse("k3")
+
+
+@pytest.mark.parametrize("alpha", [0.5, 2.0])
+def test_autodiff_of_a_control_variate_descends_alpha_times_the_other_kl(alpha):
+    """Seed 002: the regularization strength of an autodiffed control variate is its multiplier."""
+    testbed = make("categorical")
+    draws = gradient_draws(GradSpec.parse(f"cv:{alpha}/autodiff").build("pi||ref"), testbed,
+                           batch_size=8, n_trials=1500, seed=9)
+    other = torch.cat([g.reshape(-1) for g in testbed.exact_kl_grad("ref||pi")])
+    assert mean_shift_z(draws, alpha * other) <= Z
+
+
+@pytest.mark.parametrize("direction", BOTH)
+@pytest.mark.parametrize("name", ["tabular", "off-policy", "categorical"])
+def test_rb_value_is_unbiased(name, direction):
+    testbed = make(name)
+
+    def per_sequence(sample):
+        return klest.kl_penalty(sample.logp, sample.logp_ref, mask=sample.mask, value="rb",
+                                grad="rb", direction=direction, logits=sample.logits,
+                                logits_ref=sample.logits_ref,
+                                logp_behavior=sample.logp_behavior, reduction="none")
+
+    audit = klest.audit_value(per_sequence, testbed, direction=direction, batch_size=200,
+                              n_trials=10, seed=3)
+    assert abs(audit.z) <= Z, audit  # z has a rounding floor: categorical's rb is exact
+
+
+def test_rao_blackwellization_can_increase_variance():
+    """DESIGN.md's counterexample to "Var(RB) <= Var(MC)": MC variance 0, RB (log 3)^2 / 4.
+
+    Tokens a=0, b=1, x=2, z=3, T=2: pi(ax) = pi(bx) = 1/2; ref(ax) = ref(bx) = 1/4, ref(bz) = 1/2.
+    """
+    ninf = float("-inf")
+    pi = torch.full((5, 4), ninf, dtype=torch.float64)
+    ref = torch.full((5, 4), ninf, dtype=torch.float64)
+    pi[0, :2] = torch.tensor([0.5, 0.5], dtype=torch.float64).log()  # first token: a or b
+    ref[0, :2] = torch.tensor([0.25, 0.75], dtype=torch.float64).log()
+    pi[1, 2] = ref[1, 2] = 0.0  # after a: x
+    pi[2, 2] = 0.0  # after b: pi says x
+    ref[2, 2:] = torch.tensor([1 / 3, 2 / 3], dtype=torch.float64).log()  # ref says x or z
+    pi[3:] = ref[3:] = 0.0  # prefixes x / z never occur
+    testbed = TabularAutoregressive(pi, ref, horizon=2)
+    s = testbed.evaluate(torch.tensor([[0, 2], [1, 2]]))  # the two sequences, each w.p. 1/2
+    mc = klest.k1(s.logp, s.logp_ref, reduction="none").sum(-1)
+    rb = klest.categorical_kl(s.logits, s.logits_ref).sum(-1)
+    assert float(mc[0]) == pytest.approx(float(mc[1]), rel=1e-14)  # log 2 each: variance 0
+    rb_var = float(((rb - rb.mean()) ** 2).mean())  # exact: both sequences have probability 1/2
+    assert rb_var == pytest.approx(math.log(3) ** 2 / 4, rel=1e-12)
+    assert float(mc.mean()) == pytest.approx(float(rb.mean()), rel=1e-12)  # same mean: the KL

@@ -231,7 +231,9 @@ def audit_value(
     std, se_std = _std_and_se(values)
     se_bias = std / math.sqrt(values.numel())
     bias = mean - exact
-    z = bias / se_bias if se_bias > 0 else (0.0 if bias == 0 else math.inf)
+    # A (near-)deterministic estimator has se ~ 0: differences at rounding level are not bias.
+    se_floor = 1e-12 * max(abs(exact), abs(mean), 1e-300)
+    z = bias / max(se_bias, se_floor)
     return ValueAudit(
         estimator=label,
         testbed=testbed.name,
