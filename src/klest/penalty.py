@@ -155,6 +155,96 @@ def _rb_weights(lr: LogRatios, direction: str) -> Tensor | float:
     return w * ratio
 
 
+@dataclass(frozen=True)
+class _SurrogateInputs:
+    lr: LogRatios
+    logp_rows: Tensor  # log pi of each valid token, [rows, T], with graph; 0 where masked
+    direction: str
+    baseline: str | BaselineEMA | None
+    groups: Tensor | None
+
+    @property
+    def on_policy(self) -> bool:
+        return self.lr.log_w is None
+
+    def baseline_for(self, targets: Tensor, valid: Tensor) -> Tensor | float:
+        return _baseline(targets, valid, self.baseline, self.groups)
+
+
+def _pathwise(
+    x: _SurrogateInputs, grad: str, logp: Tensor, logp_ref: Tensor, logp_stl: Tensor | None
+) -> Tensor:
+    """Autodiff of the direction's k1 through reparameterized samples (``stl``: pi stopped)."""
+    if not x.on_policy:
+        raise ValueError(f"grad={grad!r} needs samples from pi itself, not logp_behavior")
+    if not logp_ref.requires_grad:
+        raise ValueError(
+            f"grad={grad!r} claims reparameterized samples x = g(theta, eps), but logp_ref "
+            "carries no graph to pi's parameters (was x detached, or are the samples "
+            "discrete?); use grad='score' or 'cumulative' for sampled tokens"
+        )
+    valid, delta = x.lr.valid, x.lr.delta
+    if grad == "stl":
+        if x.direction != "pi||ref":
+            raise ValueError(
+                "grad='stl' drops a term that has mean zero only for KL(pi||ref); use "
+                "grad='pathwise' for KL(ref||pi)"
+            )
+        if logp_stl is None:
+            raise ValueError("grad='stl' needs logp_stl: log pi(x) with pi's parameters stopped")
+        check_float_tensor("logp_stl", logp_stl)
+        check_same_shape(logp=logp, logp_stl=logp_stl)
+        stl = as_rows(logp_stl).to(delta.dtype) - as_rows(logp_ref).to(delta.dtype)
+        delta = torch.where(valid, stl, 0.0)
+    return torch.where(valid, ratio_terms(delta, x.direction).naive, 0.0).sum(-1)
+
+
+def _token(x: _SurrogateInputs, kls: Tensor | None) -> Tensor:
+    """Each token's score times its own (weighted) log-ratio term only."""
+    d = x.lr.delta.detach()
+    w = 1.0 if x.on_policy else torch.exp(x.lr.log_w.detach())
+    coef = w * d if x.direction == "pi||ref" else -w * torch.expm1(-d)
+    return (x.logp_rows * coef).sum(-1)
+
+
+def _score(x: _SurrogateInputs, kls: Tensor | None) -> Tensor:
+    """The sequence score times the whole sequence's (weighted, baselined) target."""
+    seq_delta = x.lr.delta.detach().sum(-1, keepdim=True)
+    target = seq_delta if x.direction == "pi||ref" else torch.exp(-seq_delta)
+    w = prefix_weights(x.lr.log_w, inclusive=True)
+    w_seq = w if x.on_policy else w[:, -1:]
+    coef = w_seq * (target - x.baseline_for(target, torch.ones_like(target, dtype=torch.bool)))
+    return (x.logp_rows * (coef if x.direction == "pi||ref" else -coef)).sum(-1)
+
+
+def _cumulative(x: _SurrogateInputs, kls: Tensor | None) -> Tensor:
+    """Each token's score times what it influences: the log-ratios from it on (prefix ratio)."""
+    w = prefix_weights(x.lr.log_w, inclusive=True)
+    d = x.lr.delta.detach()
+    # KL(pi||ref): the weighted log-ratios to go; KL(ref||pi): the prefix ratio R_{<=t}.
+    target = sum_from_here(w * d) if x.direction == "pi||ref" else w * torch.exp(-d.cumsum(-1))
+    # A baseline b_t enters as W_{<=t} b_t: zero mean since E_behavior[W_{<=t} s_t] = 0.
+    b = x.baseline_for(target if x.on_policy else target / w, x.lr.valid)
+    coef = target - w * b
+    coef = torch.where(x.lr.valid, coef if x.direction == "pi||ref" else -coef, 0.0)
+    return (x.logp_rows * coef).sum(-1)
+
+
+def _rb(x: _SurrogateInputs, kls: Tensor | None) -> Tensor:
+    """Pathwise through the exact per-position KLs, plus (KL(pi||ref)) the scores of the future."""
+    weights = _rb_weights(x.lr, x.direction)
+    surrogate = (weights * kls).sum(-1)
+    if x.direction == "pi||ref":
+        future = sum_after(weights * kls.detach())
+        w_incl = prefix_weights(x.lr.log_w, inclusive=True)
+        b = x.baseline_for(future if x.on_policy else future / w_incl, x.lr.valid)
+        surrogate = surrogate + (x.logp_rows * (future - w_incl * b)).sum(-1)
+    return surrogate
+
+
+_SCORE_SURROGATES = {"token": _token, "score": _score, "cumulative": _cumulative, "rb": _rb}
+
+
 def _warn(message: str) -> None:
     warnings.warn(message, KLGradientWarning, stacklevel=3)
 
@@ -235,7 +325,6 @@ def kl_penalty(
     seq_shape = logp.shape[:-1] if logp.ndim >= 2 else logp.shape
     counts = valid.sum(-1).to(lr.delta.dtype)
     logp_rows = torch.where(valid, as_rows(logp).to(lr.delta.dtype), 0.0)
-    on_policy = lr.log_w is None
 
     kls = None
     if "rb" in (value, grad):
@@ -262,30 +351,9 @@ def kl_penalty(
         value_rows = as_rows(per).sum(-1) if level == "token" else per.reshape(-1)
 
     # -- the surrogate ---------------------------------------------------------------------
+    inputs = _SurrogateInputs(lr, logp_rows, direction, baseline, groups)
     if grad in ("pathwise", "stl"):
-        if not on_policy:
-            raise ValueError(f"grad={grad!r} needs samples from pi itself, not logp_behavior")
-        if not logp_ref.requires_grad:
-            raise ValueError(
-                f"grad={grad!r} claims reparameterized samples x = g(theta, eps), but logp_ref "
-                "carries no graph to pi's parameters (was x detached, or are the samples "
-                "discrete?); use grad='score' or 'cumulative' for sampled tokens"
-            )
-        delta = lr.delta
-        if grad == "stl":
-            if direction != "pi||ref":
-                raise ValueError(
-                    "grad='stl' drops a term that has mean zero only for KL(pi||ref); use "
-                    "grad='pathwise' for KL(ref||pi)"
-                )
-            if logp_stl is None:
-                raise ValueError(
-                    "grad='stl' needs logp_stl: log pi(x) with pi's parameters stopped"
-                )
-            check_float_tensor("logp_stl", logp_stl)
-            check_same_shape(logp=logp, logp_stl=logp_stl)
-            delta = torch.where(valid, as_rows(logp_stl).to(delta.dtype) - as_rows(logp_ref), 0.0)
-        surrogate_rows = torch.where(valid, ratio_terms(delta, direction).naive, 0.0).sum(-1)
+        surrogate_rows = _pathwise(inputs, grad, logp, logp_ref, logp_stl)
     elif grad == "autodiff":
         if not logp_ref.requires_grad:
             _warn(
@@ -294,49 +362,19 @@ def kl_penalty(
                 "klest.penalty); use grad='cumulative', 'score' or 'rb'"
             )
         surrogate_rows = value_rows
-    elif grad == "token":
-        if int(counts.max()) > 1:
+    else:
+        if logp_ref.requires_grad:
+            _warn(
+                f"grad={grad!r} is a score-function gradient, but logp_ref carries a graph "
+                "(reparameterized samples, or a trained ref?): gradients through the samples "
+                "would mix in; detach the samples, or use grad='pathwise'"
+            )
+        if grad == "token" and int(counts.max()) > 1:
             _warn(
                 "grad='token' is the per-token partial gradient: it misses the effect of each "
                 "token on later ones and is biased for a sequence KL; use 'cumulative'"
             )
-        w = 1.0 if on_policy else torch.exp(lr.log_w.detach())
-        if direction == "pi||ref":
-            coef = w * lr.delta.detach()
-        else:
-            coef = -w * torch.expm1(-lr.delta.detach())
-        surrogate_rows = (logp_rows * coef).sum(-1)
-    elif grad == "score":
-        seq_delta = lr.delta.detach().sum(-1, keepdim=True)
-        target = seq_delta if direction == "pi||ref" else torch.exp(-seq_delta)
-        ones = torch.ones_like(target, dtype=torch.bool)
-        w = prefix_weights(lr.log_w, inclusive=True)
-        w_seq = w if on_policy else w[:, -1:]
-        coef = w_seq * (target - _baseline(target, ones, baseline, groups))
-        if direction == "ref||pi":
-            coef = -coef
-        surrogate_rows = (logp_rows * coef).sum(-1)
-    elif grad == "cumulative":
-        w = prefix_weights(lr.log_w, inclusive=True)
-        d = lr.delta.detach()
-        # KL(pi||ref): the weighted log-ratios to go; KL(ref||pi): the prefix ratio R_{<=t}.
-        target = sum_from_here(w * d) if direction == "pi||ref" else w * torch.exp(-d.cumsum(-1))
-        # A baseline b_t enters as W_{<=t} b_t: zero mean since E_behavior[W_{<=t} s_t] = 0.
-        b = _baseline(target if on_policy else target / w, valid, baseline, groups)
-        coef = target - w * b
-        if direction == "ref||pi":
-            coef = -coef
-        surrogate_rows = (logp_rows * torch.where(valid, coef, 0.0)).sum(-1)
-    else:  # rb
-        if kls is None:  # pragma: no cover - guarded above
-            raise AssertionError
-        weights = _rb_weights(lr, direction)
-        surrogate_rows = (weights * kls).sum(-1)
-        if direction == "pi||ref":
-            future = sum_after(weights * kls.detach())
-            w_incl = prefix_weights(lr.log_w, inclusive=True)
-            b = _baseline(future if on_policy else future / w_incl, valid, baseline, groups)
-            surrogate_rows = surrogate_rows + (logp_rows * (future - w_incl * b)).sum(-1)
+        surrogate_rows = _SCORE_SURROGATES[grad](inputs, kls)
 
     value_out = _reduce_rows(value_rows, counts, reduction, seq_shape)
     surrogate_out = _reduce_rows(surrogate_rows, counts, reduction, seq_shape)
