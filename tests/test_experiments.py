@@ -28,6 +28,8 @@ def test_chimera_variance(tmp_path):
     # k3 explodes with D, the seed code's inverted ratio much faster.
     assert rows[1000]["k3"]["monte_carlo"] > 100 * rows[1]["k3"]["monte_carlo"]
     assert rows[1000]["k3 (seed code)"]["closed_form"] > 100 * rows[1000]["k3"]["closed_form"]
+    # Sticking the landing: the gradient is exactly mu, variance 0 at every D (to rounding).
+    assert all(row["chimera + stl"]["monte_carlo"] < 1e-20 for row in r["rows"])
     for d in (1, 10, 100):  # light tails: Monte Carlo within 30% of the closed form
         for e in ("k1", "k3", "chimera"):
             assert rows[d][e]["monte_carlo"] == pytest.approx(rows[d][e]["closed_form"], rel=0.3)
@@ -40,6 +42,8 @@ def test_chimera_training(tmp_path):
     assert c["1000/k3"]["exact_kl"][-1] > c["1000/k3"]["initial_kl"]
     for e in ("k1", "chimera"):
         assert c[f"1000/{e}"]["exact_kl"][-1] < c[f"1000/{e}"]["initial_kl"]
+    # k1's gradient noise does not vanish at the optimum; sticking the landing's does.
+    assert c["1000/chimera + stl"]["exact_kl"][-1] < 0.1 * c["1000/chimera"]["exact_kl"][-1]
     # At D = 10, k3 converges fastest (the seed's low-dimension caveat).
     assert c["10/k3"]["exact_kl"][-1] < c["10/chimera"]["exact_kl"][-1]
 

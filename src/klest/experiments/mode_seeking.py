@@ -189,11 +189,14 @@ def _figure(fits: dict):
         dens = _log_pi(
             x, torch.tensor(m, dtype=torch.float64), torch.tensor(math.log(s), dtype=torch.float64)
         ).exp()
-        axes[0].plot(x, dens, color=plt.get_cmap("tab10")(i), label=kind)
+        label = kind if s > 0.2 else f"{kind} (collapsed: std {s:.2f}, peak off scale)"
+        axes[0].plot(x, dens, color=plt.get_cmap("tab10")(i), label=label)
         path = np.array(f["path"])
         axes[1].plot(path[:, 0], path[:, 1], color=plt.get_cmap("tab10")(i), label=kind)
     axes[1].plot(*FORWARD_OPTIMUM, "k*", ms=12, label="KL(ref‖pi) optimum")
-    axes[0].set(xlabel="x", ylabel="density", title="Fits of one Gaussian to two modes")
+    axes[0].set(
+        xlabel="x", ylabel="density", title="Fits of one Gaussian to two modes", ylim=(0, 1.0)
+    )
     axes[1].set(xlabel="mean", ylabel="std", title="Optimization paths")
     axes[0].legend(fontsize=7)
     axes[1].legend(fontsize=7)

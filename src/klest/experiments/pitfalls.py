@@ -278,10 +278,12 @@ def run(config: RunConfig) -> Report:
         "C_reward_kl": c,
         "C_final_kl_to_optimum": final_c,
     }
-    wrong = [n for n, v in final_c.items() if v > 10 * max(final_c["exact gradient"], 1e-3)]
+    # Stochastic gradients leave Adam a noise floor: compare with the best unbiased one (rb).
+    floor = final_c["rb/rb"]
+    wrong = [n for n, v in final_c.items() if v > 3 * floor]
     summary = (
-        "Part C: estimators that end far (>10x the exact gradient's KL) from the optimum "
-        f"pi*: {', '.join(wrong) if wrong else 'none'}."
+        f"Part C: estimators ending more than 3x farther from the optimum pi* than rb/rb "
+        f"(KL(pi||pi*) = {floor:.3g}): {', '.join(wrong) if wrong else 'none'}."
     )
     return Report(results, _tables(a, b, c), _figures(a, b, c), summary)
 
