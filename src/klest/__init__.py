@@ -20,11 +20,15 @@ from klest.estimators import k2
 from klest.estimators import k3
 from klest.estimators import k_abs
 from klest.estimators import kl_estimate
+from klest.distributed import kl_from_logits_vocab_parallel
+from klest.fused_linear import kl_from_hidden
 from klest.penalty import KLGradientWarning
 from klest.penalty import PenaltyDetails
 from klest.penalty import kl_penalty
 from klest.surrogates import BaselineEMA
 from klest.surrogates import decouple
+from klest.vocab import LogitsKL
+from klest.vocab import kl_from_logits
 
 __version__ = "0.1.0"
 
@@ -34,6 +38,7 @@ __all__ = [
     "GradAudit",
     "KLDiagnostics",
     "KLGradientWarning",
+    "LogitsKL",
     "PenaltyDetails",
     "ValueAudit",
     "aggregate",
@@ -48,5 +53,8 @@ __all__ = [
     "k3",
     "k_abs",
     "kl_estimate",
+    "kl_from_hidden",
+    "kl_from_logits",
+    "kl_from_logits_vocab_parallel",
     "kl_penalty",
 ]

@@ -57,7 +57,6 @@ from klest._checks import (
     check_same_shape,
 )
 from klest.aggregation import KLDiagnostics, as_rows, diagnostics
-from klest.categorical import categorical_kl
 from klest.estimators import (
     ESTIMATORS,
     Alpha,
@@ -68,6 +67,7 @@ from klest.estimators import (
 )
 from klest.sequence import prefix_weights, sum_after, sum_from_here
 from klest.surrogates import BASELINES, BaselineEMA, decouple, group_baseline
+from klest.vocab import kl_from_logits
 
 GRADS = ("pathwise", "stl", "score", "cumulative", "rb", "token", "autodiff")
 VALUES = (*ESTIMATORS, "rb")
@@ -143,7 +143,7 @@ def _position_kls(
             f"logits has shape {tuple(logits.shape)}; expected logp's shape {tuple(logp.shape)} "
             "plus a vocabulary dimension"
         )
-    return as_rows(categorical_kl(logits, logits_ref, direction=direction, mask=mask))
+    return as_rows(kl_from_logits(logits, logits_ref, direction=direction, mask=mask))
 
 
 def _rb_weights(lr: LogRatios, direction: str) -> Tensor | float:

@@ -1,0 +1,193 @@
+r"""Vocab-parallel exact KL: logits sharded over the vocabulary across a process group.
+
+Under tensor parallelism each rank ``r`` holds columns ``[o_r, o_r + V_r)`` of both models'
+logits. Each rank reduces its shard to per-row statistics (:mod:`klest.logits_rows`: local
+log-normalizers :math:`\ell_r`, local KLs, entropy and label log-probs, as if its shard were the
+whole vocabulary); two collectives merge them exactly. With :math:`M = \max_r \ell^a_r`,
+:math:`S_r = e^{\ell^a_r - M}`, :math:`S = \sum_r S_r` (pi's side; :math:`U_r`, :math:`U` with
+:math:`\ell^b_r` for ref's), and the shard weights :math:`w_r = S_r/S = \pi(\text{shard } r)`:
+
+.. math::
+    \mathrm{lse}_a = M + \log S, \quad
+    KL(\pi\|ref) = \sum_r w_r\big(KL_r + \log w_r - \log u_r\big), \quad
+    H(\pi) = \sum_r w_r (H_r - \log w_r),
+
+:math:`KL(ref\|\pi)` symmetrically, and a label's log-prob is its owner's local one plus
+:math:`\log w_r`. Collectives per call, forward: an ``all_gather`` of the shard sizes (a check),
+an ``all_reduce(MAX)`` of ``[2, N]`` and an ``all_reduce(SUM)`` of ``[7, N]`` floats. Backward:
+none, since each shard's gradient is exact given the merged statistics (module
+:mod:`klest.logits_rows`). The same code runs over gloo (CPU) and NCCL (GPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from klest._checks import check_choice, check_direction
+from klest.aggregation import REDUCTIONS
+from klest.kernels import KLRowStats
+from klest.vocab import (
+    LogitsKL,
+    check_labels,
+    check_logits_pair,
+    check_temperature,
+    finish,
+    kept_rows,
+    plan_for,
+    rows_kl,
+)
+
+
+def _shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[int, int]:
+    """``(offset of this rank's shard, total V)``, checking every rank has ``n`` rows."""
+    world = dist.get_world_size(group)
+    mine = torch.tensor([n, v_local], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    rows = [int(t[0]) for t in every]
+    sizes = [int(t[1]) for t in every]
+    if len(set(rows)) != 1:
+        raise ValueError(f"every rank must hold the same positions: rows per rank {rows}")
+    rank = dist.get_rank(group)
+    return sum(sizes[:rank]), sum(sizes)
+
+
+def _owned(owner: Tensor | None, x: Tensor) -> Tensor:
+    """``x`` on the rows whose label this shard holds, else 0."""
+    return torch.zeros_like(x) if owner is None else torch.where(owner, x, 0.0)
+
+
+def _merge_shards(stats: KLRowStats, rows: Tensor | None, *, group, owner: Tensor | None):
+    """Whole-row statistics from every rank's shard statistics (module docstring)."""
+    lse = torch.stack([stats.lse_z, stats.lse_y])
+    top = lse.clone()
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    rel = lse - top  # log S_r, log U_r (<= 0; -inf for a shard with no mass)
+    weight = rel.exp()
+
+    def weighted(w, x):
+        return torch.where(w > 0, w * x, 0.0)
+
+    parts = torch.stack(
+        [
+            weight[0],
+            weight[1],
+            weighted(weight[0], stats.kl_pi_ref + rel[0] - rel[1]),
+            weighted(weight[1], stats.kl_ref_pi + rel[1] - rel[0]),
+            weighted(weight[0], stats.entropy - rel[0]),
+            _owned(owner, stats.logp_label + rel[0]),
+            _owned(owner, stats.logp_ref_label + rel[1]),
+        ]
+    )
+    dist.all_reduce(parts, op=dist.ReduceOp.SUM, group=group)
+    s_a, s_b, t_a, t_b, e_a, l_a, l_b = parts.unbind(0)
+    log_s_a, log_s_b = s_a.log(), s_b.log()
+    merged = KLRowStats(
+        lse_z=top[0] + log_s_a,
+        lse_y=top[1] + log_s_b,
+        kl_pi_ref=(t_a / s_a - log_s_a + log_s_b).clamp(min=0.0),
+        kl_ref_pi=(t_b / s_b - log_s_b + log_s_a).clamp(min=0.0),
+        entropy=(e_a / s_a + log_s_a).clamp(min=0.0),
+        logp_label=l_a - log_s_a,
+        logp_ref_label=l_b - log_s_b,
+    )
+    if rows is None:
+        return merged
+    keep = torch.zeros_like(s_a, dtype=torch.bool)
+    keep[rows] = True
+    return KLRowStats(*(torch.where(keep, m, 0.0) for m in merged))
+
+
+def kl_from_logits_vocab_parallel(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    direction: str = "pi||ref",
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    reduction: str = "none",
+    return_entropy: bool = False,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+) -> Tensor | LogitsKL:
+    r"""Exact per-position KL when both models' logits are sharded over the vocabulary.
+
+    .. math::
+        KL(\pi\|ref)_n = \sum_{v=1}^{V} \pi_{n,v}(\log\pi_{n,v} - \log ref_{n,v}),\quad
+        \pi_n = \mathrm{softmax}(z_n/T) \text{ over the whole vocabulary}
+
+    (or :math:`KL(ref\|\pi)`), where this rank holds the columns ``[o_r, o_r + V_r)`` of ``z``
+    and ``y``, ranks in order. Every rank returns the same (replicated) KL, entropy and label
+    log-probs, and the gradient of its own shard. Collectives: module docstring.
+
+    Args:
+      logits: this rank's shard of pi's logits ``[..., V_r]``.
+      logits_ref: this rank's shard of ref's logits, same shape.
+      group: the tensor-parallel process group (default: the world).
+      vocab_size: the full V, checked against the sum of the shard sizes when given.
+      labels: *global* token ids ``[...]`` (each rank passes the same labels).
+      direction, temperature, mask, ignore_index, reduction, return_entropy, memory_budget,
+        chunk_size, backend: as in :func:`klest.kl_from_logits` (mask and labels identical on
+        every rank).
+
+    Returns:
+      As :func:`klest.kl_from_logits`.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("kl_from_logits_vocab_parallel needs an initialized torch.distributed")
+    check_direction(direction)
+    check_choice("reduction", reduction, REDUCTIONS)
+    logits, logits_ref = check_logits_pair(logits, logits_ref)
+    inv_tau = check_temperature(temperature)
+    lead, v_local = logits.shape[:-1], logits.shape[-1]
+    z, y = logits.reshape(-1, v_local), logits_ref.reshape(-1, v_local)
+    offset, v_total = _shard_layout(z.shape[0], v_local, group, z.device)
+    if vocab_size is not None and vocab_size != v_total:
+        raise ValueError(
+            f"the shard sizes add up to V = {v_total} over the group, but vocab_size = {vocab_size}"
+        )
+    flat_labels = local = owner = None
+    if labels is not None:
+        flat_labels = check_labels(
+            labels, lead, z.device, vocab_size=v_total, ignore_index=ignore_index
+        )
+        owner = (flat_labels >= offset) & (flat_labels < offset + v_local)
+        # This shard's convention: < 0 ignored, >= V_r another shard's token.
+        other = torch.where(flat_labels == ignore_index, -1, v_local)
+        local = torch.where(owner, flat_labels - offset, other)
+    keep, rows = kept_rows(lead, z.device, mask, flat_labels, ignore_index)
+    plan = plan_for(
+        z,
+        y,
+        direction=direction,
+        inv_tau=inv_tau,
+        want_entropy=return_entropy,
+        with_labels=flat_labels is not None,
+        backend=backend,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        stash=False,
+    )
+
+    def merge(stats: KLRowStats, rows: Tensor | None) -> KLRowStats:
+        return _merge_shards(stats, rows, group=group, owner=owner)
+
+    outputs = rows_kl(z, y, local, rows, replace(plan, merge=merge))
+    return finish(
+        outputs,
+        lead=lead,
+        direction=direction,
+        keep=keep,
+        reduction=reduction,
+        with_labels=flat_labels is not None,
+        want_entropy=return_entropy,
+    )

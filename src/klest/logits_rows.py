@@ -1,0 +1,410 @@
+r"""Per-row statistics of two logit tensors and their gradients: chunked PyTorch, or Triton.
+
+The two primitives behind every exact-from-logits path of klest (:mod:`klest.vocab`,
+:mod:`klest.fused_linear`, :mod:`klest.distributed`). For pi's logits ``z`` and ref's logits
+``y`` (``[N, V]``), :math:`a = z/\tau`, :math:`b = y/\tau`, :math:`q = \mathrm{softmax}(a)`,
+:math:`p = \mathrm{softmax}(b)`, :math:`d = a - b`:
+
+* :func:`row_stats` gives per row (a :class:`~klest.kernels.KLRowStats`) the log-normalizers,
+  :math:`KL(q\|p) = \sum_v q_v d_v - (\mathrm{lse}_a - \mathrm{lse}_b)`,
+  :math:`KL(p\|q) = (\mathrm{lse}_a - \mathrm{lse}_b) - \sum_v p_v d_v`,
+  :math:`H(q) = \log s_a - \sum_v q_v (a_v - m_a)` and the label log-probs; optionally it also
+  writes the gradient of one KL in the same pass (*stash*: the caller then only scales it);
+* :func:`row_grads` recomputes ``q`` and ``p`` from the saved statistics and gives
+
+  .. math::
+      \partial/\partial z = \tfrac{1}{\tau}\big[g_1\, q\odot(d - \textstyle\sum q d)
+          + g_2 (q - p) - g_3\, q\odot(a - \mathrm{lse}_a + H) + g_4 (e_l - q)\big], \\
+      \partial/\partial y = \tfrac{1}{\tau}\big[g_1 (p - q)
+          - g_2\, p\odot(d - \textstyle\sum p d) + g_5 (e_l - p)\big]
+
+  (DESIGN.md section 3), where :math:`\sum q d = KL(q\|p) + \mathrm{lse}_a - \mathrm{lse}_b`.
+
+The PyTorch path walks row chunks, so no more than a few chunk-sized float32 buffers exist at once;
+rows with ``-inf`` entries (a masked vocabulary) go through a slower masked formula with
+``0 log 0 = 0``. On CUDA the Triton kernels of :mod:`klest.kernels` do the same in one pass each.
+Labels follow the kernels' convention: a label ``< 0`` is ignored, a label ``>= V`` is a token of
+another vocabulary shard (its ``-q`` / ``-p`` part of the gradient only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from klest.kernels import KLRowStats, kl_logits_backward, kl_logits_forward, triton_available
+
+BACKENDS = ("auto", "torch", "triton")
+# Float32 buffers of V entries that the PyTorch path holds per row of a chunk (a, b, q, p, d).
+_BUFFERS_PER_ROW = 5
+DEFAULT_MEMORY_BUDGET = 32 * 2**20
+"""Bytes of chunk workspace the PyTorch path may use (measured: the CPU time is flat from 8 to
+64 MiB; see benchmarks/bench_vocab_cpu.py)."""
+
+
+@dataclass(frozen=True)
+class Grads:
+    """Upstream gradients ``g1..g5`` of the five per-row outputs (``None``: no term)."""
+
+    kl_pi_ref: Tensor | None = None
+    kl_ref_pi: Tensor | None = None
+    entropy: Tensor | None = None
+    logp_label: Tensor | None = None
+    logp_ref_label: Tensor | None = None
+
+    def any_z(self) -> bool:
+        return any(
+            g is not None for g in (self.kl_pi_ref, self.kl_ref_pi, self.entropy, self.logp_label)
+        )
+
+    def any_y(self) -> bool:
+        return any(g is not None for g in (self.kl_pi_ref, self.kl_ref_pi, self.logp_ref_label))
+
+
+def resolve_backend(backend: str, z: Tensor) -> str:
+    """``"auto"`` is Triton for CUDA tensors in float32/bf16/fp16 when triton imports, else
+    PyTorch (on CPU even under ``TRITON_INTERPRET=1``: the interpreter is for tests)."""
+    if backend == "triton":
+        if not triton_available():
+            raise RuntimeError(
+                "backend='triton' needs triton and a CUDA device (or TRITON_INTERPRET=1 for CPU "
+                "tensors); use backend='torch'"
+            )
+        if z.dtype == torch.float64:
+            raise TypeError("backend='triton' computes in float32; float64 logits need 'torch'")
+        return "triton"
+    if backend == "auto" and z.is_cuda and z.dtype != torch.float64 and triton_available():
+        return "triton"
+    return "torch"
+
+
+def chunk_rows(v: int, memory_budget: int | None, chunk_size: int | None) -> int:
+    """Rows per chunk: ``chunk_size`` if given, else what fits ``memory_budget`` bytes."""
+    if chunk_size is not None:
+        return chunk_size
+    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
+    return max(1, budget // (_BUFFERS_PER_ROW * 4 * max(v, 1)))
+
+
+def _chunks(n: int, rows: Tensor | None, size: int) -> Iterator[slice | Tensor]:
+    """Row selections of at most ``size`` rows: slices of ``range(n)``, or pieces of ``rows``."""
+    if rows is None:
+        for s in range(0, n, size):
+            yield slice(s, min(s + size, n))
+    else:
+        yield from rows.split(size)
+
+
+def _take(x: Tensor, sel: slice | Tensor) -> Tensor:
+    return x[sel] if isinstance(sel, slice) else x.index_select(0, sel)
+
+
+def _scaled(x: Tensor, inv_tau: float, dtype: torch.dtype) -> Tensor:
+    """``x / tau`` in the compute dtype; a view of ``x`` when nothing changes (never written)."""
+    if inv_tau == 1.0:
+        return x.to(dtype)
+    return torch.mul(x.to(dtype), inv_tau) if x.dtype != dtype else torch.mul(x, inv_tau)
+
+
+def _rowdot(u: Tensor, w: Tensor) -> Tensor:
+    """``sum_v u[r, v] w[r, v]`` per row without a ``[rows, V]`` temporary."""
+    return torch.bmm(u.unsqueeze(1), w.unsqueeze(2)).view(-1)
+
+
+def _softmax_stats(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(q, m, log s)`` with ``q = softmax(a)``, ``m = max a``, ``s = sum exp(a - m)``."""
+    m = a.amax(-1, keepdim=True)
+    q = torch.sub(a, m).exp_()
+    s = q.sum(-1, keepdim=True)
+    return q.div_(s), m.view(-1), s.log_().view(-1)
+
+
+def _label_logps(a: Tensor, lse: Tensor, labels: Tensor | None) -> Tensor:
+    if labels is None:
+        return torch.zeros_like(lse)
+    inside = (labels >= 0) & (labels < a.shape[1])
+    col = torch.where(inside, labels, 0).unsqueeze(1)
+    return torch.where(inside, a.gather(1, col).view(-1) - lse, 0.0)
+
+
+def _fast_chunk(a: Tensor, b: Tensor, labels: Tensor | None, want_entropy: bool) -> tuple:
+    """Stats of rows without ``-inf`` entries; also returns ``q``, ``p``, ``d`` for the stash."""
+    q, m_a, log_s_a = _softmax_stats(a)
+    p, m_b, log_s_b = _softmax_stats(b)
+    lse_a, lse_b = m_a + log_s_a, m_b + log_s_b
+    ent = log_s_a - _rowdot(q, a - m_a.unsqueeze(1)) if want_entropy else torch.zeros_like(lse_a)
+    d = torch.sub(a, b)
+    shift = lse_a - lse_b
+    qd, pd = _rowdot(q, d), _rowdot(p, d)
+    stats = (
+        lse_a,
+        lse_b,
+        (qd - shift).clamp_(min=0.0),
+        (shift - pd).clamp_(min=0.0),
+        ent.clamp_(min=0.0),
+        _label_logps(a, lse_a, labels),
+        _label_logps(b, lse_b, labels),
+    )
+    return stats, q, p, d, qd, pd
+
+
+def _plogq(w: Tensor, x: Tensor) -> Tensor:
+    """``sum_v w_v x_v`` with ``0 * x = 0`` where ``w = 0`` (``x`` may be infinite there)."""
+    return torch.where(w > 0, w * x, 0.0).sum(-1)
+
+
+def _masked_chunk(a: Tensor, b: Tensor, labels: Tensor | None, want_entropy: bool) -> tuple:
+    """Stats of rows with ``-inf`` entries: ``0 log 0 = 0``; KL ``+inf`` off the other's support."""
+    lse_a, lse_b = torch.logsumexp(a, -1), torch.logsumexp(b, -1)
+    # A row with nothing but -inf (possible on one shard of a vocabulary-parallel row) has
+    # log-probs -inf, not NaN; NaN / +inf inputs give a non-finite lse that the caller rejects.
+    la = a - torch.where(torch.isfinite(lse_a), lse_a, 0.0).unsqueeze(1)
+    lb = b - torch.where(torch.isfinite(lse_b), lse_b, 0.0).unsqueeze(1)
+    q, p = la.exp(), lb.exp()
+    d = torch.where((q > 0) | (p > 0), la - lb + (lse_a - lse_b).unsqueeze(1), 0.0)
+    shift = lse_a - lse_b
+    qd, pd = _plogq(q, d), _plogq(p, d)
+    stats = (
+        lse_a,
+        lse_b,
+        torch.where(torch.isinf(qd), qd, qd - shift).clamp_(min=0.0),
+        torch.where(torch.isinf(pd), -pd, shift - pd).clamp_(min=0.0),
+        (-_plogq(q, la)).clamp_(min=0.0) if want_entropy else torch.zeros_like(lse_a),
+        _label_logps(a, lse_a, labels),
+        _label_logps(b, lse_b, labels),
+    )
+    return stats, q, p, d, qd, pd
+
+
+def _kl_grads(q: Tensor, p: Tensor, d: Tensor, qd: Tensor, pd: Tensor, direction: str):
+    """Per-unit gradients of one KL w.r.t. ``a`` and ``b`` (each a function producing it)."""
+    if direction == "pi||ref":
+        return (
+            lambda: torch.where(q > 0, q * (d - qd.unsqueeze(1)), 0.0),
+            lambda: p - q,
+        )
+    return (
+        lambda: q - p,
+        lambda: torch.where(p > 0, p * (pd.unsqueeze(1) - d), 0.0),
+    )
+
+
+def _stash_fast(q: Tensor, p: Tensor, d: Tensor, qd: Tensor, pd: Tensor, direction: str):
+    """As :func:`_kl_grads` for rows without ``-inf``: no masking, in place where possible."""
+    if direction == "pi||ref":
+        return lambda: d.sub_(qd.unsqueeze(1)).mul_(q), lambda: torch.sub(p, q)
+    return lambda: torch.sub(q, p), lambda: d.sub_(pd.unsqueeze(1)).mul_(p).neg_()
+
+
+def row_stats(
+    z: Tensor,
+    y: Tensor,
+    *,
+    inv_tau: float,
+    labels: Tensor | None,
+    rows: Tensor | None,
+    want_entropy: bool,
+    backend: str,
+    chunk: int,
+    stash: str | None = None,
+    stash_z: Tensor | None = None,
+    stash_y: Tensor | None = None,
+) -> KLRowStats:
+    """Per-row statistics of the selected rows (``rows``: int indices, or None for all).
+
+    Rows not selected get 0 statistics. With ``stash`` (``"pi||ref"`` / ``"ref||pi"``; PyTorch
+    backend) the per-unit gradients of that KL w.r.t. ``z`` and ``y`` are written into the
+    selected rows of ``stash_z`` / ``stash_y`` (either may be None), already divided by tau.
+    Rows whose logits have NaN, ``+inf`` or nothing but ``-inf`` get a non-finite ``lse``; the
+    caller rejects them.
+    """
+    n, _ = z.shape
+    out = torch.zeros(
+        7, n, dtype=torch.float64 if z.dtype == torch.float64 else torch.float32, device=z.device
+    )
+    if backend == "triton":
+        stats = kl_logits_forward(z, y, temperature=1.0 / inv_tau, labels=labels)
+        out.copy_(torch.stack(stats))
+        zero_rows_except(out.T, rows)
+        return KLRowStats(*out.unbind(0))
+
+    dtype = out.dtype
+    for sel in _chunks(n, rows, chunk):
+        a = _scaled(_take(z, sel), inv_tau, dtype)
+        b = _scaled(_take(y, sel), inv_tau, dtype)
+        lab = None if labels is None else _take(labels, sel)
+        stats, q, p, d, qd, pd = _fast_chunk(a, b, lab, want_entropy)
+        grads = _stash_fast(q, p, d, qd, pd, stash) if stash else None
+        bad = ~torch.isfinite(stats[0] + stats[1] + stats[2] + stats[3] + stats[4])
+        if bool(bad.any()):
+            idx = bad.nonzero().view(-1)
+            sub = _masked_chunk(a[idx], b[idx], None if lab is None else lab[idx], want_entropy)
+            stats = tuple(s.index_copy(0, idx, t) for s, t in zip(stats, sub[0], strict=True))
+            if stash:
+                grads = _patched(grads, idx, _kl_grads(*sub[1:], stash))
+        _put(out, sel, torch.stack(stats))
+        if stash:
+            for target, make in zip((stash_z, stash_y), grads, strict=True):
+                if target is not None:
+                    _put_rows(target, sel, make().mul_(inv_tau))
+    return KLRowStats(*out.unbind(0))
+
+
+def _patched(grads, idx: Tensor, masked):
+    """Gradient makers whose rows ``idx`` come from the masked formula."""
+
+    def patch(make_all, make_sub):
+        return lambda: make_all().index_copy_(0, idx, make_sub())
+
+    return tuple(patch(f, g) for f, g in zip(grads, masked, strict=True))
+
+
+def _put(out: Tensor, sel: slice | Tensor, values: Tensor) -> None:
+    if isinstance(sel, slice):
+        out[:, sel] = values
+    else:
+        out.index_copy_(1, sel, values)
+
+
+def _put_rows(target: Tensor, sel: slice | Tensor, values: Tensor) -> None:
+    if isinstance(sel, slice):
+        target[sel] = values
+    else:
+        target.index_copy_(0, sel, values.to(target.dtype))
+
+
+def _row_col(g: Tensor | None, sel: slice | Tensor) -> Tensor | None:
+    return None if g is None else _take(g, sel).unsqueeze(1)
+
+
+def _grads_chunk(
+    a: Tensor,
+    b: Tensor,
+    st: list[Tensor],
+    lab: Tensor | None,
+    g: list[Tensor | None],
+    need_z: bool,
+    need_y: bool,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Recomputed ``dL/da`` and ``dL/db`` of one chunk (see the module docstring)."""
+    lse_a, lse_b, kl_ab, kl_ba, ent = (s.unsqueeze(1) for s in st)
+    g1, g2, g3, g4, g5 = g
+    la = a - lse_a
+    q = la.exp()
+    p = torch.sub(b, lse_b).exp_()
+    # log q - log p = d - (lse_a - lse_b), so d - sum q d = (la - lb) - KL(q||p).
+    lr = torch.where((q > 0) | (p > 0), la - (b - lse_b), 0.0)
+    da = db = None
+    if need_z:
+        coef = torch.zeros_like(q)
+        if g1 is not None:
+            coef += g1 * torch.where(q > 0, lr - kl_ab, 0.0)
+        if g3 is not None:
+            coef -= g3 * torch.where(q > 0, la + ent, 0.0)
+        if g2 is not None:
+            coef += g2
+        if g4 is not None:
+            coef -= g4
+        da = coef.mul_(q)
+        if g2 is not None:
+            da -= g2 * p
+        if g4 is not None:
+            _add_onehot(da, lab, g4)
+    if need_y:
+        db = torch.zeros_like(p)
+        if g1 is not None:
+            db += g1 * (p - q)
+        if g2 is not None:
+            db -= g2 * torch.where(p > 0, p * (lr + kl_ba), 0.0)
+        if g5 is not None:
+            db -= g5 * p
+            _add_onehot(db, lab, g5)
+    return da, db
+
+
+def _add_onehot(x: Tensor, labels: Tensor | None, g: Tensor) -> None:
+    """``x[r, labels[r]] += g[r]`` where the label is inside ``[0, V)``."""
+    assert labels is not None
+    inside = (labels >= 0) & (labels < x.shape[1])
+    col = torch.where(inside, labels, 0).unsqueeze(1)
+    x.scatter_add_(1, col, torch.where(inside.unsqueeze(1), g, 0.0))
+
+
+def row_grads(
+    z: Tensor,
+    y: Tensor,
+    stats: KLRowStats,
+    grads: Grads,
+    *,
+    inv_tau: float,
+    labels: Tensor | None,
+    rows: Tensor | None,
+    need_z: bool,
+    need_y: bool,
+    backend: str,
+    chunk: int,
+) -> tuple[Tensor | None, Tensor | None]:
+    """Gradients w.r.t. ``z`` and ``y`` (in their dtypes; 0 on rows not selected)."""
+    g = [grads.kl_pi_ref, grads.kl_ref_pi, grads.entropy, grads.logp_label, grads.logp_ref_label]
+    need_z = need_z and grads.any_z()
+    need_y = need_y and grads.any_y()
+    if backend == "triton":
+        dz, dy = kl_logits_backward(
+            z,
+            y,
+            KLRowStats(*(s.float() for s in stats)),
+            temperature=1.0 / inv_tau,
+            labels=labels,
+            grad_kl_pi_ref=g[0],
+            grad_kl_ref_pi=g[1],
+            grad_entropy=g[2],
+            grad_logp_label=g[3],
+            grad_logp_ref_label=g[4],
+            need_grad_z=need_z,
+            need_grad_y=need_y,
+        )
+        return zero_rows_except(dz, rows), zero_rows_except(dy, rows)
+
+    n = z.shape[0]
+    dtype = stats.lse_z.dtype
+    dz = _zero_rows_outside(z, rows) if need_z else None
+    dy = _zero_rows_outside(y, rows) if need_y else None
+    if not (need_z or need_y):
+        return dz, dy
+    st = list(stats[:5])
+    for sel in _chunks(n, rows, chunk):
+        a = _scaled(_take(z, sel), inv_tau, dtype)
+        b = _scaled(_take(y, sel), inv_tau, dtype)
+        lab = None if labels is None else _take(labels, sel)
+        da, db = _grads_chunk(
+            a,
+            b,
+            [_take(s, sel) for s in st],
+            lab,
+            [_row_col(t, sel) for t in g],
+            need_z,
+            need_y,
+        )
+        for target, val in ((dz, da), (dy, db)):
+            if target is not None and val is not None:
+                _put_rows(target, sel, val.mul_(inv_tau))
+    return dz, dy
+
+
+def _zero_rows_outside(x: Tensor, rows: Tensor | None) -> Tensor:
+    """A gradient buffer like ``x``: uninitialised for all rows, else zeros (rows are filled)."""
+    if rows is None:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
+    return torch.zeros_like(x, memory_format=torch.contiguous_format)
+
+
+def zero_rows_except(x: Tensor | None, rows: Tensor | None) -> Tensor | None:
+    """Zero, in place, the rows of ``x`` that are not in ``rows`` (None: keep all)."""
+    if x is None or rows is None:
+        return x
+    drop = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+    drop[rows] = False
+    return x.index_fill_(0, drop.nonzero().view(-1), 0.0)

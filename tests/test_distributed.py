@@ -1,0 +1,122 @@
+"""Vocab-parallel KL over gloo in local processes equals the single-process kl_from_logits.
+
+Each case spawns ``world`` processes; rank r holds columns [o_r, o_r + V_r) of the same logits.
+Tolerances, relative to the size of the compared tensor: float64 1e-12 for values and gradients;
+float32 1e-6 for values (the issue's bar; the merge reorders float32 sums over the shards) and
+1e-5 for gradients, the float32 gradient tolerance of every logits path (tests/test_vocab.py):
+``q (d - sum q d)`` inherits the rounding of ``lse`` times the size of ``d`` (measured 1.8e-6).
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import klest
+
+N_LEAD = (2, 3)
+
+
+def _case_inputs(v: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn((*N_LEAD, v), generator=g, dtype=torch.float64) * 2).to(dtype)
+    y = (torch.randn((*N_LEAD, v), generator=g, dtype=torch.float64) * 2).to(dtype)
+    z[0, 1, :3] = -math.inf  # a masked-vocabulary row: rank 0 of [2, 5, 4] holds only -inf
+    y[0, 1, :3] = -math.inf
+    labels = torch.randint(0, v, N_LEAD, generator=g)
+    labels[1, 2] = -100
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    return z, y, labels, mask
+
+
+def _run_all(z, y, labels, mask, kl_fn):
+    """Outputs and gradients of every configuration, for one shard (or the whole vocabulary)."""
+    results = []
+    for direction in ("pi||ref", "ref||pi"):
+        zz, yy = z.clone().requires_grad_(), y.clone().requires_grad_()
+        out = kl_fn(zz, yy, direction=direction, labels=labels, mask=mask, return_entropy=True)
+        w = torch.arange(1.0, 7.0, dtype=out.kl.dtype).reshape(N_LEAD)
+        loss = (
+            (out.kl * w).sum() + 0.3 * out.logp.sum() - 0.5 * out.logp_ref.sum() + out.entropy.sum()
+        )
+        results.append([t.detach() for t in out] + list(torch.autograd.grad(loss, [zz, yy])))
+        zz = z.clone().requires_grad_()
+        kl = kl_fn(zz, y, direction=direction, reduction="seq-mean-token-sum", temperature=0.7)
+        results.append([kl.detach(), *torch.autograd.grad(kl, [zz])])
+    return results
+
+
+def _worker(rank, world, store_path, sizes, dtype, out_path):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+    try:
+        z, y, labels, mask = _case_inputs(sum(sizes), dtype)
+        lo = sum(sizes[:rank])
+        shard = slice(lo, lo + sizes[rank])
+
+        def kl_fn(zz, yy, **kw):
+            return klest.kl_from_logits_vocab_parallel(zz, yy, vocab_size=sum(sizes), **kw)
+
+        result = {"ok": _run_all(z[..., shard], y[..., shard], labels, mask, kl_fn)}
+        errors = {}
+        for name, call in {
+            "vocab_size": lambda: klest.kl_from_logits_vocab_parallel(
+                z[..., shard], y[..., shard], vocab_size=sum(sizes) + 1
+            ),
+            "rows": lambda: klest.kl_from_logits_vocab_parallel(
+                z[..., shard][: 1 + rank % 2], y[..., shard][: 1 + rank % 2]
+            ),
+        }.items():
+            try:
+                call()
+                errors[name] = None
+            except ValueError as e:
+                errors[name] = str(e)
+        result["errors"] = errors
+    except Exception:  # reported to the parent, which fails the test with it
+        result = {"traceback": traceback.format_exc()}
+    torch.save(result, f"{out_path}.{rank}")
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(
+    ("sizes", "dtype", "tol", "grad_tol"),
+    [([7, 6], torch.float32, 1e-6, 1e-5), ([2, 5, 4], torch.float64, 1e-12, 1e-12)],
+)
+def test_vocab_parallel_equals_single_process(tmp_path, sizes, dtype, tol, grad_tol):
+    world = len(sizes)
+    mp.spawn(
+        _worker,
+        args=(world, str(tmp_path / "store"), sizes, dtype, str(tmp_path / "out")),
+        nprocs=world,
+    )
+    z, y, labels, mask = _case_inputs(sum(sizes), dtype)
+    expected = _run_all(z, y, labels, mask, klest.kl_from_logits)
+    for rank in range(world):
+        got = torch.load(tmp_path / f"out.{rank}")
+        assert "traceback" not in got, got.get("traceback")
+        lo = sum(sizes[:rank])
+        for case, (g_case, e_case) in enumerate(zip(got["ok"], expected, strict=True)):
+            n_grads = 2 if len(e_case) == 6 else 1
+            outs, grads = e_case[:-n_grads], e_case[-n_grads:]
+            for i, (a, e) in enumerate(zip(g_case[:-n_grads], outs, strict=True)):
+                finite = torch.isfinite(e)
+                assert torch.equal(finite, torch.isfinite(a)), (rank, case, i)
+                scale = max(1.0, float(e[finite].abs().max()))
+                torch.testing.assert_close(a[finite], e[finite], atol=tol * scale, rtol=0)
+            for a, e in zip(g_case[-n_grads:], grads, strict=True):
+                e_shard = e[..., lo : lo + sizes[rank]]
+                scale = max(1.0, float(e.abs().max()))
+                torch.testing.assert_close(a, e_shard, atol=grad_tol * scale, rtol=0)
+        assert "add up to V" in (got["errors"]["vocab_size"] or ""), got["errors"]
+        assert "same positions" in (got["errors"]["rows"] or ""), got["errors"]
+
+
+def test_needs_initialized_process_group():
+    with pytest.raises(RuntimeError, match=r"torch\.distributed"):
+        klest.kl_from_logits_vocab_parallel(torch.zeros(2, 3), torch.zeros(2, 3))

@@ -1,0 +1,381 @@
+"""kl_from_logits against a plain float64 log_softmax reference: values and gradients.
+
+Tolerances. The reference gets the very inputs the fast path gets (bf16 / fp16 inputs are upcast
+to float64 unchanged), so only arithmetic is compared:
+  * values: float32 accumulation over V <= 257 entries of logits of size ~3: ``2e-5 (1 + |ref|)``
+    (measured worst case over this grid: 3.3e-6); float64: 1e-12;
+  * gradients: float32 arithmetic relative to the row's gradient scale (``1e-5 max|ref|``) plus
+    the rounding of the result to the input dtype, half an ulp relative (2^-24, 2^-11, 2^-8 for
+    fp32 / fp16 / bf16); the stash path rounds twice (per-unit gradient, then scaled), so one
+    ulp is allowed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import math
+import os
+
+import pytest
+import torch
+
+import klest
+from klest.vocab import kl_from_logits
+
+INF = math.inf
+ULP = {
+    torch.float64: 2.0**-52,
+    torch.float32: 2.0**-23,
+    torch.float16: 2.0**-10,
+    torch.bfloat16: 2.0**-7,
+}
+
+
+def reference(z, y, *, direction="pi||ref", temperature=1.0, labels=None):
+    """Plain float64 log_softmax formulas; ``0 log 0 = 0`` (safe in both branches for autodiff)."""
+    la = torch.log_softmax(z.double() / temperature, -1)
+    lb = torch.log_softmax(y.double() / temperature, -1)
+    q, p = la.exp(), lb.exp()
+
+    def plogq(w, lw, lx):
+        on = w > 0
+        return torch.where(on, w * torch.where(on, lw - lx, 0.0), 0.0).sum(-1)
+
+    out = {
+        "pi||ref": plogq(q, la, lb),
+        "ref||pi": plogq(p, lb, la),
+        "entropy": -plogq(q, la, torch.zeros_like(la)),
+    }
+    if labels is not None:
+        safe = labels.clamp(min=0).unsqueeze(-1)
+        out["logp"] = la.gather(-1, safe).squeeze(-1)
+        out["logp_ref"] = lb.gather(-1, safe).squeeze(-1)
+    out["kl"] = out[direction]
+    return out
+
+
+def assert_close(actual, expected, *, atol, rtol, what):
+    actual, expected = actual.double(), expected.double()
+    err = (actual - expected).abs()
+    bound = atol + rtol * expected.abs()
+    bad = err > bound
+    assert not bool(bad.any()), (
+        f"{what}: {int(bad.sum())}/{err.numel()} entries differ; worst |diff| "
+        f"{float(err.max()):.3g} at {tuple(bad.nonzero()[0].tolist())}"
+    )
+
+
+def grad_close(actual, expected, dtype, *, ulps, what):
+    scale = float(expected.abs().max()) if expected.numel() else 0.0
+    assert_close(
+        actual,
+        expected,
+        atol=(1e-5 if dtype != torch.float64 else 1e-12) * max(scale, 1e-30),
+        rtol=ulps * ULP[dtype],
+        what=what,
+    )
+
+
+def value_tol(dtype):
+    return (1e-12, 1e-12) if dtype == torch.float64 else (2e-5, 2e-5)
+
+
+def _logits(shape, dtype, seed, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale).to(dtype)
+
+
+GRID = list(
+    itertools.product(
+        [(7, 5), (2, 3, 33), (4, 257), (1, 1)],  # shapes [..., V]: odd V, V = 1
+        [torch.float32, torch.bfloat16, torch.float16, torch.float64],
+        ["pi||ref", "ref||pi"],
+    )
+)
+
+
+@pytest.mark.parametrize(("shape", "dtype", "direction"), GRID)
+@pytest.mark.parametrize("stash", [True, False])
+def test_values_and_gradients_match_reference(shape, dtype, direction, stash):
+    seed = hash((shape, str(dtype), direction)) % 2**31
+    z = _logits(shape, dtype, seed).requires_grad_()
+    y = _logits(shape, dtype, seed + 1).requires_grad_()
+    upstream = _logits(shape[:-1], torch.float64, seed + 2, scale=1.0)
+    for temperature, chunk in ((1.0, None), (0.7, 2)):
+        kl = kl_from_logits(
+            z, y, direction=direction, temperature=temperature, chunk_size=chunk, stash=stash
+        )
+        assert kl.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        dz, dy = torch.autograd.grad((kl.double() * upstream).sum(), [z, y])
+        assert dz.dtype == dtype and dy.dtype == dtype
+        zr, yr = z.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+        ref = reference(zr, yr, direction=direction, temperature=temperature)["kl"]
+        rz, ry = torch.autograd.grad((ref * upstream).sum(), [zr, yr])
+        what = f"{shape} {dtype} {direction} T={temperature} stash={stash}"
+        assert_close(kl, ref, atol=value_tol(dtype)[0], rtol=value_tol(dtype)[1], what=what)
+        ulps = 1.0 if stash else 0.5
+        grad_close(dz, rz, dtype, ulps=ulps, what=f"dz {what}")
+        grad_close(dy, ry, dtype, ulps=ulps, what=f"dy {what}")
+
+
+@pytest.mark.parametrize("direction", ["pi||ref", "ref||pi"])
+def test_labels_entropy_and_all_gradients(direction):
+    """All five outputs at once, each with its own upstream gradient (the recompute path)."""
+    z = _logits((3, 4, 19), torch.float32, 1).requires_grad_()
+    y = _logits((3, 4, 19), torch.float32, 2).requires_grad_()
+    labels = torch.randint(0, 19, (3, 4), generator=torch.Generator().manual_seed(3))
+    labels[0, 1] = -100
+    g = [_logits((3, 4), torch.float64, s, scale=1.0) for s in range(10, 14)]
+    out = kl_from_logits(
+        z, y, direction=direction, labels=labels, return_entropy=True, temperature=1.3
+    )
+    assert isinstance(out, klest.LogitsKL)
+    loss = sum((t.double() * w).sum() for t, w in zip(out, g, strict=True))
+    dz, dy = torch.autograd.grad(loss, [z, y])
+
+    zr, yr = z.detach().double().requires_grad_(), y.detach().double().requires_grad_()
+    ref = reference(zr, yr, direction=direction, temperature=1.3, labels=labels)
+    keep = labels != -100
+    parts = [ref["kl"], ref["logp"], ref["logp_ref"], ref["entropy"]]
+    parts = [torch.where(keep, t, 0.0) for t in parts]
+    for name, a, b in zip(("kl", "logp", "logp_ref", "entropy"), out, parts, strict=True):
+        assert_close(a, b, atol=2e-5, rtol=2e-5, what=name)
+    rz, ry = torch.autograd.grad(
+        sum((t * w).sum() for t, w in zip(parts, g, strict=True)), [zr, yr]
+    )
+    grad_close(dz, rz, torch.float32, ulps=0.5, what="dz")
+    grad_close(dy, ry, torch.float32, ulps=0.5, what="dy")
+    assert float(dz[0, 1].abs().max()) == 0.0 and float(dy[0, 1].abs().max()) == 0.0
+
+
+def test_gradcheck_float64_all_outputs():
+    z = _logits((2, 3, 6), torch.float64, 5).requires_grad_()
+    y = _logits((2, 3, 6), torch.float64, 6).requires_grad_()
+    labels = torch.tensor([[0, 5, -100], [2, 2, 1]])
+    mask = torch.tensor([[True, True, True], [True, False, True]])
+
+    for direction in ("pi||ref", "ref||pi"):
+
+        def f(z, y, direction=direction):
+            out = kl_from_logits(
+                z,
+                y,
+                direction=direction,
+                labels=labels,
+                mask=mask,
+                return_entropy=True,
+                temperature=0.8,
+                chunk_size=2,
+            )
+            return out.kl, out.logp, out.logp_ref, out.entropy
+
+        assert torch.autograd.gradcheck(f, (z, y))
+
+
+def test_gradcheck_stash_off_and_reduction():
+    z = _logits((3, 5, 7), torch.float64, 7).requires_grad_()
+    y = _logits((3, 5, 7), torch.float64, 8).requires_grad_()
+    for reduction in ("seq-mean-token-sum", "token-mean"):
+        assert torch.autograd.gradcheck(
+            lambda z, y, r=reduction: kl_from_logits(z, y, reduction=r, stash=False), (z, y)
+        )
+
+
+def test_masked_vocabulary_entries_are_outside_the_support():
+    """-inf at the same entries of both: equal to the KL over the remaining entries."""
+    z = _logits((5, 12), torch.float32, 9)
+    y = _logits((5, 12), torch.float32, 10)
+    z[:, 8:] = -INF
+    y[:, 8:] = -INF
+    z.requires_grad_()
+    for direction in ("pi||ref", "ref||pi"):
+        kl = kl_from_logits(z, y, direction=direction)
+        (dz,) = torch.autograd.grad(kl.sum(), [z])
+        small = z.detach()[:, :8].double().requires_grad_()
+        ref = reference(small, y[:, :8], direction=direction)["kl"]
+        (rz,) = torch.autograd.grad(ref.sum(), [small])
+        assert torch.isfinite(kl).all() and torch.isfinite(dz).all()
+        assert_close(kl, ref, atol=2e-5, rtol=2e-5, what=direction)
+        grad_close(dz[:, :8], rz, torch.float32, ulps=1, what="dz")
+        assert float(dz[:, 8:].abs().max()) == 0.0
+
+
+def test_mass_outside_the_other_support_gives_inf_not_nan():
+    z = _logits((3, 6), torch.float32, 11)
+    y = _logits((3, 6), torch.float32, 12)
+    y[0, 2] = -INF  # pi has mass where ref has none: KL(pi||ref) = inf, KL(ref||pi) finite
+    z[1, 4] = -INF  # the other way round
+    kl_pr = kl_from_logits(z, y, direction="pi||ref")
+    kl_rp = kl_from_logits(z, y, direction="ref||pi")
+    assert kl_pr[0] == INF and torch.isfinite(kl_rp[0])
+    assert kl_rp[1] == INF and torch.isfinite(kl_pr[1])
+    ref = reference(z, y)
+    assert_close(kl_pr[1:], ref["pi||ref"][1:], atol=2e-5, rtol=2e-5, what="finite rows")
+
+
+def test_identical_inputs_give_exactly_zero():
+    z = _logits((4, 6, 50), torch.float32, 13).requires_grad_()
+    y = z.detach().clone().requires_grad_()
+    for direction in ("pi||ref", "ref||pi"):
+        kl = kl_from_logits(z, y, direction=direction, temperature=0.9)
+        dz, dy = torch.autograd.grad(kl.sum(), [z, y])
+        assert float(kl.detach().abs().max()) == 0.0
+        assert float(dz.abs().max()) == 0.0 and float(dy.abs().max()) == 0.0
+
+
+def test_mask_excludes_rows_that_may_hold_garbage():
+    z = _logits((2, 4, 9), torch.float32, 14)
+    y = _logits((2, 4, 9), torch.float32, 15)
+    mask = torch.tensor([[True, False, True, True], [True, True, True, False]])
+    z[0, 1] = float("nan")
+    y[1, 3] = -INF
+    z.requires_grad_()
+    for stash in (True, False):
+        kl = kl_from_logits(z, y, mask=mask, stash=stash)
+        (dz,) = torch.autograd.grad(kl.sum(), [z])
+        assert float(kl.detach()[~mask].abs().max()) == 0.0 and float(dz[~mask].abs().max()) == 0.0
+        ref = reference(z.detach(), y)["kl"]
+        assert_close(kl[mask], ref[mask], atol=2e-5, rtol=2e-5, what="kept rows")
+    for reduction in ("seq-mean-token-sum", "token-mean", "seq-mean-token-mean", "sum"):
+        got = kl_from_logits(z, y, mask=mask, reduction=reduction)
+        want = klest.aggregate(
+            torch.where(mask, reference(z.detach(), y)["kl"], 0.0), mask=mask, reduction=reduction
+        )
+        assert_close(got, want, atol=2e-5, rtol=2e-5, what=reduction)
+
+
+def test_matches_categorical_kl_and_memory_budget_chunks_agree():
+    z = _logits((40, 70), torch.float32, 16)
+    y = _logits((40, 70), torch.float32, 17)
+    exact = klest.categorical_kl(z.double(), y.double())
+    for budget in (1, 5 * 4 * 70 * 3, 2**30):  # 1 row, 3 rows, all rows per chunk
+        got = kl_from_logits(z, y, memory_budget=budget)
+        assert_close(got, exact, atol=2e-5, rtol=2e-5, what=f"budget {budget}")
+
+
+def test_no_vocabulary_sized_tensor_is_saved_for_backward():
+    """What autograd keeps between forward and backward: the inputs (recompute) or the gradient
+    buffer (stash), and [N]-sized row statistics; never an [N, V] intermediate."""
+    n, v = 16, 301
+    z = _logits((n, v), torch.float32, 18).requires_grad_()
+    y = _logits((n, v), torch.float32, 19)
+    for stash in (True, False):
+        saved = []
+
+        def pack(t, saved=saved):
+            saved.append(t)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            kl = kl_from_logits(z, y, reduction="token-mean", stash=stash, chunk_size=4)
+        big = [
+            t for t in saved if t.numel() >= v and t.data_ptr() not in (z.data_ptr(), y.data_ptr())
+        ]
+        assert big == [], [tuple(t.shape) for t in big]
+        kl.backward()
+
+
+def test_stash_backward_twice_raises_and_recompute_allows_it():
+    z = _logits((3, 8), torch.float32, 20).requires_grad_()
+    y = _logits((3, 8), torch.float32, 21)
+    kl = kl_from_logits(z, y, reduction="sum")
+    kl.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="stash=False"):
+        kl.backward()
+    z.grad = None
+    kl = kl_from_logits(z, y, reduction="sum", stash=False)
+    kl.backward(retain_graph=True)
+    first = z.grad.clone()
+    kl.backward()
+    torch.testing.assert_close(z.grad, 2 * first)
+
+
+def test_no_grad_and_ref_only_gradient():
+    z = _logits((3, 8), torch.float32, 22)
+    y = _logits((3, 8), torch.float32, 23).requires_grad_()
+    with torch.no_grad():
+        assert not kl_from_logits(z, y).requires_grad
+    kl = kl_from_logits(z, y, direction="ref||pi")
+    (dy,) = torch.autograd.grad(kl.sum(), [y])
+    yr = y.detach().double().requires_grad_()
+    (ry,) = torch.autograd.grad(reference(z, yr, direction="ref||pi")["kl"].sum(), [yr])
+    grad_close(dy, ry, torch.float32, ulps=1, what="dy")
+
+
+# -- bad input -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"logits_ref": torch.zeros(3, 6)}, ValueError, r"\(3, 5\).*\(3, 6\)"),
+        ({"logits": torch.zeros(3, 5, dtype=torch.int64)}, TypeError, "logits"),
+        ({"logits": torch.zeros(0, 5), "logits_ref": torch.zeros(0, 5)}, ValueError, "empty"),
+        ({"direction": "forward"}, ValueError, "direction"),
+        ({"reduction": "mean"}, ValueError, "reduction"),
+        ({"backend": "cuda"}, ValueError, "backend"),
+        ({"temperature": 0.0}, ValueError, "temperature"),
+        ({"temperature": "1"}, TypeError, "temperature"),
+        ({"chunk_size": 0}, ValueError, "chunk_size"),
+        ({"labels": torch.tensor([0, 5, 1])}, ValueError, "labels"),
+        ({"labels": torch.tensor([0.0, 1.0, 1.0])}, TypeError, "labels"),
+        ({"labels": torch.tensor([0, 1])}, ValueError, "labels"),
+        ({"mask": torch.ones(4, dtype=torch.bool)}, ValueError, "mask"),
+    ],
+)
+def test_bad_input(kwargs, error, match):
+    args = {"logits": torch.zeros(3, 5), "logits_ref": torch.zeros(3, 5)} | kwargs
+    with pytest.raises(error, match=match):
+        kl_from_logits(args.pop("logits"), args.pop("logits_ref"), **args)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), INF, "all -inf"])
+@pytest.mark.parametrize("which", ["logits", "logits_ref"])
+def test_bad_logits_rows_raise(bad, which):
+    t = {"logits": torch.randn(4, 6), "logits_ref": torch.randn(4, 6)}
+    if bad == "all -inf":
+        t[which][2] = -INF
+    else:
+        t[which][2, 3] = bad
+    with pytest.raises(ValueError, match=rf"{which} has 1 row.*flat row 2"):
+        kl_from_logits(t["logits"], t["logits_ref"])
+
+
+# -- the Triton backend through the same Function (interpreter on CPU) ---------------------------
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(
+    not (HAS_TRITON and (INTERPRET or torch.cuda.is_available())),
+    reason="needs triton with CUDA or TRITON_INTERPRET=1 (make test sets it)",
+)
+@pytest.mark.parametrize("direction", ["pi||ref", "ref||pi"])
+def test_triton_backend_equals_torch_backend(direction):
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    z = _logits((6, 37), torch.float32, 24).to(dev).requires_grad_()
+    y = _logits((6, 37), torch.float32, 25).to(dev).requires_grad_()
+    labels = torch.tensor([1, 36, -100, 0, 5, 5], device=dev)
+    mask = torch.tensor([True, True, True, False, True, True], device=dev)
+    g = [_logits((6,), torch.float32, s, scale=1.0).to(dev) for s in range(30, 34)]
+    grads = {}
+    for backend in ("torch", "triton"):
+        out = kl_from_logits(
+            z,
+            y,
+            direction=direction,
+            labels=labels,
+            mask=mask,
+            return_entropy=True,
+            temperature=0.9,
+            backend=backend,
+        )
+        loss = sum((t * w).sum() for t, w in zip(out, g, strict=True))
+        grads[backend] = (out, torch.autograd.grad(loss, [z, y]))
+    (o1, (dz1, dy1)), (o2, (dz2, dy2)) = grads["torch"], grads["triton"]
+    for a, b in zip(o1, o2, strict=True):
+        assert_close(b, a, atol=2e-5, rtol=2e-5, what="outputs")
+    grad_close(dz2, dz1.double(), torch.float32, ulps=2, what="dz")
+    grad_close(dy2, dy1.double(), torch.float32, ulps=2, what="dy")
