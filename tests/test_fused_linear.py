@@ -7,7 +7,9 @@ is compared with a looser, float32-sized tolerance.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import os
 
 import pytest
 import torch
@@ -147,3 +149,26 @@ def test_bad_input(kwargs, error, match):
             args.pop("weight_ref"),
             **args,
         )
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None
+    or not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
+    reason="needs triton with CUDA or TRITON_INTERPRET=1 (make test sets it)",
+)
+def test_triton_backend_equals_torch_backend():
+    """The per-chunk kernels behind the fused path (interpreter on CPU): float32 tolerance."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    h = _t((6, 5), 21, torch.float32).to(dev).requires_grad_()
+    w = _t((37, 5), 22, torch.float32).to(dev).requires_grad_()
+    y = _t((6, 37), 23, torch.float32).to(dev)
+    labels = torch.tensor([0, 36, 5, -100, 2, 2], device=dev)
+    got = {}
+    for backend in ("torch", "triton"):
+        out = klest.kl_from_hidden(
+            h, w, logits_ref=y, labels=labels, return_entropy=True, backend=backend, chunk_size=4
+        )
+        got[backend] = [*out, *torch.autograd.grad(_loss(out, torch.ones(6, device=dev)), [h, w])]
+    for a, b in zip(got["torch"], got["triton"], strict=True):
+        scale = max(1.0, float(a.abs().max()))
+        torch.testing.assert_close(b, a, atol=2e-5 * scale, rtol=0)

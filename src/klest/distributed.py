@@ -27,17 +27,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from klest._checks import check_choice, check_direction
-from klest.aggregation import REDUCTIONS
 from klest.kernels import KLRowStats
 from klest.vocab import (
     LogitsKL,
-    check_labels,
     check_logits_pair,
     check_temperature,
     finish,
-    kept_rows,
     plan_for,
+    positions,
     rows_kl,
 )
 
@@ -144,34 +141,37 @@ def kl_from_logits_vocab_parallel(
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("kl_from_logits_vocab_parallel needs an initialized torch.distributed")
-    check_direction(direction)
-    check_choice("reduction", reduction, REDUCTIONS)
     logits, logits_ref = check_logits_pair(logits, logits_ref)
     inv_tau = check_temperature(temperature)
-    lead, v_local = logits.shape[:-1], logits.shape[-1]
+    v_local = logits.shape[-1]
     z, y = logits.reshape(-1, v_local), logits_ref.reshape(-1, v_local)
     offset, v_total = _shard_layout(z.shape[0], v_local, group, z.device)
     if vocab_size is not None and vocab_size != v_total:
         raise ValueError(
             f"the shard sizes add up to V = {v_total} over the group, but vocab_size = {vocab_size}"
         )
-    flat_labels = local = owner = None
-    if labels is not None:
-        flat_labels = check_labels(
-            labels, lead, z.device, vocab_size=v_total, ignore_index=ignore_index
-        )
-        owner = (flat_labels >= offset) & (flat_labels < offset + v_local)
+    pos = positions(
+        logits.shape[:-1],
+        logits.device,
+        direction=direction,
+        reduction=reduction,
+        mask=mask,
+        labels=labels,
+        vocab_size=v_total,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+    )
+    local = owner = None
+    if pos.labels is not None:
+        owner = (pos.labels >= offset) & (pos.labels < offset + v_local)
         # This shard's convention: < 0 ignored, >= V_r another shard's token.
-        other = torch.where(flat_labels == ignore_index, -1, v_local)
-        local = torch.where(owner, flat_labels - offset, other)
-    keep, rows = kept_rows(lead, z.device, mask, flat_labels, ignore_index)
+        other = torch.where(pos.labels == ignore_index, -1, v_local)
+        local = torch.where(owner, pos.labels - offset, other)
     plan = plan_for(
         z,
         y,
-        direction=direction,
+        pos,
         inv_tau=inv_tau,
-        want_entropy=return_entropy,
-        with_labels=flat_labels is not None,
         backend=backend,
         memory_budget=memory_budget,
         chunk_size=chunk_size,
@@ -181,13 +181,4 @@ def kl_from_logits_vocab_parallel(
     def merge(stats: KLRowStats, rows: Tensor | None) -> KLRowStats:
         return _merge_shards(stats, rows, group=group, owner=owner)
 
-    outputs = rows_kl(z, y, local, rows, replace(plan, merge=merge))
-    return finish(
-        outputs,
-        lead=lead,
-        direction=direction,
-        keep=keep,
-        reduction=reduction,
-        with_labels=flat_labels is not None,
-        want_entropy=return_entropy,
-    )
+    return finish(rows_kl(z, y, local, pos.rows, replace(plan, merge=merge)), pos)

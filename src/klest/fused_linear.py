@@ -28,26 +28,24 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from klest._checks import check_choice, check_direction
-from klest.aggregation import REDUCTIONS
+from klest._checks import check_choice
 from klest.kernels import KLRowStats
 from klest.logits_rows import (
-    _BUFFERS_PER_ROW,
     BACKENDS,
-    DEFAULT_MEMORY_BUDGET,
     Grads,
+    chunk_rows,
     resolve_backend,
     row_grads,
     row_stats,
+    workspace_bytes_per_row,
 )
 from klest.vocab import (
     LogitsKL,
     check_chunking,
-    check_labels,
     check_rows_finite,
     check_temperature,
     finish,
-    kept_rows,
+    positions,
 )
 
 
@@ -165,7 +163,9 @@ class _GradAccumulators:
         if gh is not None:
             gh.index_copy_(0, idx, (d.to(w.dtype) @ w).to(gh.dtype))
         if gw is not None:
-            gw.addmm_(d.T.to(gw.dtype), h.index_select(0, idx).to(gw.dtype))
+            # The chunk's product in the inputs' dtype (fp32 accumulation inside the matmul),
+            # summed over chunks in float32.
+            gw.add_(d.T @ h.index_select(0, idx).to(d.dtype))
         if gb is not None:
             gb.add_(d.sum(0).to(gb.dtype))
 
@@ -247,15 +247,14 @@ def kl_from_hidden(
       bias, bias_ref: optional LM-head biases ``[V]``.
       direction, temperature, mask, labels, ignore_index, reduction, return_entropy, backend:
         as in :func:`klest.kl_from_logits`.
-      memory_budget: bytes for one chunk's logits and workspace (default 32 MiB).
+      memory_budget: bytes for one chunk's logits and workspace (default 32 MiB on the CPU,
+        1 GiB on a GPU).
       chunk_size: rows per chunk, overriding ``memory_budget``.
 
     Returns:
       As :func:`klest.kl_from_logits`: the reduced KL, or a :class:`~klest.LogitsKL` with labels
       or ``return_entropy``.
     """
-    check_direction(direction)
-    check_choice("reduction", reduction, REDUCTIONS)
     check_choice("backend", backend, BACKENDS)
     check_chunking(memory_budget, chunk_size)
     inv_tau = check_temperature(temperature)
@@ -288,29 +287,29 @@ def kl_from_hidden(
         h_ref, w_ref = hidden_ref.reshape(-1, hidden_ref.shape[-1]), weight_ref
     if hidden.numel() == 0:
         raise ValueError(f"hidden is empty (shape {tuple(hidden.shape)})")
-    flat_labels = None
-    if labels is not None:
-        flat_labels = check_labels(
-            labels, lead, hidden.device, vocab_size=v, ignore_index=ignore_index
-        )
-    keep, rows = kept_rows(lead, hidden.device, mask, flat_labels, ignore_index)
+    pos = positions(
+        lead,
+        hidden.device,
+        direction=direction,
+        reduction=reduction,
+        mask=mask,
+        labels=labels,
+        vocab_size=v,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+    )
     h = hidden.reshape(-1, hidden.shape[-1])
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    # Per row: pi's and ref's logits in their dtypes, plus the float32 workspace.
-    per_row = v * (hidden.element_size() * 2 + 4 * _BUFFERS_PER_ROW)
+    resolved = resolve_backend(backend, h)
+    # Per row: pi's and ref's logits and a gradient in their dtype, plus the PyTorch workspace.
+    per_row = v * hidden.element_size() * 3
+    per_row += workspace_bytes_per_row(v) if resolved == "torch" else 0
     plan = _HiddenPlan(
         inv_tau=inv_tau,
         want_entropy=return_entropy,
-        backend=resolve_backend(backend, h),
-        chunk=chunk_size if chunk_size is not None else max(1, budget // per_row),
+        backend=resolved,
+        chunk=chunk_rows(per_row, h.device, memory_budget, chunk_size),
     )
-    outputs = _HiddenKL.apply(h, weight, bias, h_ref, w_ref, bias_ref, y, flat_labels, rows, plan)
-    return finish(
-        outputs,
-        lead=lead,
-        direction=direction,
-        keep=keep,
-        reduction=reduction,
-        with_labels=flat_labels is not None,
-        want_entropy=return_entropy,
+    outputs = _HiddenKL.apply(
+        h, weight, bias, h_ref, w_ref, bias_ref, y, pos.labels, pos.rows, plan
     )
+    return finish(outputs, pos)

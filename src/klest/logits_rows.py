@@ -41,8 +41,13 @@ BACKENDS = ("auto", "torch", "triton")
 # Float32 buffers of V entries that the PyTorch path holds per row of a chunk (a, b, q, p, d).
 _BUFFERS_PER_ROW = 5
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
-"""Bytes of chunk workspace the PyTorch path may use (measured: the CPU time is flat from 8 to
-64 MiB; see benchmarks/bench_vocab_cpu.py)."""
+"""Bytes of chunk workspace by default on the CPU: a chunk stays near the caches."""
+CUDA_MEMORY_BUDGET = 2**30
+"""On a GPU, where chunks feed large matmuls (fused linear) and kernels need many rows."""
+
+
+def default_budget(device: torch.device) -> int:
+    return CUDA_MEMORY_BUDGET if device.type == "cuda" else DEFAULT_MEMORY_BUDGET
 
 
 @dataclass(frozen=True)
@@ -81,12 +86,19 @@ def resolve_backend(backend: str, z: Tensor) -> str:
     return "torch"
 
 
-def chunk_rows(v: int, memory_budget: int | None, chunk_size: int | None) -> int:
+def chunk_rows(
+    bytes_per_row: int, device: torch.device, memory_budget: int | None, chunk_size: int | None
+) -> int:
     """Rows per chunk: ``chunk_size`` if given, else what fits ``memory_budget`` bytes."""
     if chunk_size is not None:
         return chunk_size
-    budget = DEFAULT_MEMORY_BUDGET if memory_budget is None else memory_budget
-    return max(1, budget // (_BUFFERS_PER_ROW * 4 * max(v, 1)))
+    budget = default_budget(device) if memory_budget is None else memory_budget
+    return max(1, budget // max(bytes_per_row, 1))
+
+
+def workspace_bytes_per_row(v: int) -> int:
+    """Float32 workspace of the PyTorch path per row of V entries."""
+    return _BUFFERS_PER_ROW * 4 * v
 
 
 def _chunks(n: int, rows: Tensor | None, size: int) -> Iterator[slice | Tensor]:

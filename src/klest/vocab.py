@@ -20,7 +20,7 @@ each tensor; backward: one read of each and one write of each gradient).
 
 Naive PyTorch (``log_softmax`` twice, then ``kl_div``) keeps several ``[N, V]`` float32 tensors
 alive for the backward: TRL dropped its full-vocabulary option and verl raises
-``NotImplementedError`` for it; see ``benchmarks/bench_vocab_cpu.py`` for the measured difference.
+``NotImplementedError`` for it; ``klest bench vocab-cpu`` measures the difference (README).
 """
 
 from __future__ import annotations
@@ -37,7 +37,15 @@ from torch.autograd.function import once_differentiable
 from klest._checks import check_choice, check_direction, check_mask
 from klest.aggregation import REDUCTIONS, aggregate
 from klest.kernels import KLRowStats
-from klest.logits_rows import BACKENDS, Grads, chunk_rows, resolve_backend, row_grads, row_stats
+from klest.logits_rows import (
+    BACKENDS,
+    Grads,
+    chunk_rows,
+    resolve_backend,
+    row_grads,
+    row_stats,
+    workspace_bytes_per_row,
+)
 
 _OUTPUTS = ("kl_pi_ref", "kl_ref_pi", "entropy", "logp_label", "logp_ref_label")
 
@@ -234,56 +242,70 @@ def check_chunking(memory_budget: object, chunk_size: object) -> None:
             raise ValueError(f"{name} must be a positive int (or None), got {val!r}")
 
 
-def kept_rows(
+@dataclass(frozen=True)
+class Positions:
+    """The positions of one call: their shape, labels, which count, and what is returned."""
+
+    lead: torch.Size
+    labels: Tensor | None
+    keep: Tensor | None
+    rows: Tensor | None
+    direction: str
+    reduction: str
+    want_entropy: bool
+
+
+def positions(
     lead: torch.Size,
     device: torch.device,
+    *,
+    direction: str,
+    reduction: str,
     mask: Tensor | None,
     labels: Tensor | None,
+    vocab_size: int,
     ignore_index: int,
-) -> tuple[Tensor | None, Tensor | None]:
-    """``(keep [...] bool or None, flat indices of kept rows or None for all)``."""
-    keep = None if mask is None else check_mask(mask, lead, device)
+    return_entropy: bool,
+) -> Positions:
+    """Check the per-position arguments; the kept rows are the masked-in, labelled ones."""
+    check_direction(direction)
+    check_choice("reduction", reduction, REDUCTIONS)
+    flat = None
     if labels is not None:
-        unlabeled = (labels == ignore_index).reshape(lead)
+        flat = check_labels(labels, lead, device, vocab_size=vocab_size, ignore_index=ignore_index)
+    keep = None if mask is None else check_mask(mask, lead, device)
+    if flat is not None:
+        unlabeled = (flat == ignore_index).reshape(lead)
         if bool(unlabeled.any()):
             keep = ~unlabeled if keep is None else keep & ~unlabeled
-    if keep is None or bool(keep.all()):
-        return keep, None
-    return keep, keep.reshape(-1).nonzero().view(-1)
+    rows = None
+    if keep is not None and not bool(keep.all()):
+        rows = keep.reshape(-1).nonzero().view(-1)
+    return Positions(lead, flat, keep, rows, direction, reduction, return_entropy)
 
 
-def finish(
-    outputs: tuple[Tensor, ...],
-    *,
-    lead: torch.Size,
-    direction: str,
-    keep: Tensor | None,
-    reduction: str,
-    with_labels: bool,
-    want_entropy: bool,
-) -> Tensor | LogitsKL:
-    """Shape the per-row outputs of ``_RowsKL`` into what the public functions return."""
-    kl_pi_ref, kl_ref_pi, entropy, logp, logp_ref = (o.reshape(lead) for o in outputs)
-    kl = kl_pi_ref if direction == "pi||ref" else kl_ref_pi
-    kl = aggregate(kl, mask=keep, reduction=reduction)
-    if not (with_labels or want_entropy):
+def finish(outputs: tuple[Tensor, ...], pos: Positions) -> Tensor | LogitsKL:
+    """Shape the per-row outputs of the autograd Functions into what the public API returns."""
+    kl_pi_ref, kl_ref_pi, entropy, logp, logp_ref = (o.reshape(pos.lead) for o in outputs)
+    kl = kl_pi_ref if pos.direction == "pi||ref" else kl_ref_pi
+    kl = aggregate(kl, mask=pos.keep, reduction=pos.reduction)
+    with_labels = pos.labels is not None
+    if not (with_labels or pos.want_entropy):
         return kl
     return LogitsKL(
         kl,
         logp if with_labels else None,
         logp_ref if with_labels else None,
-        entropy if want_entropy else None,
+        entropy if pos.want_entropy else None,
     )
 
 
 def plan_for(
     z: Tensor,
     y: Tensor,
+    pos: Positions,
     *,
-    direction: str,
     inv_tau: float,
-    want_entropy: bool,
-    with_labels: bool,
     backend: str,
     memory_budget: int | None,
     chunk_size: int | None,
@@ -294,13 +316,14 @@ def plan_for(
     check_chunking(memory_budget, chunk_size)
     resolved = resolve_backend(backend, z)
     grad_wanted = torch.is_grad_enabled() and (z.requires_grad or y.requires_grad)
-    only_kl = not (want_entropy or with_labels)
+    only_kl = not (pos.want_entropy or pos.labels is not None)
+    stash = stash and grad_wanted and only_kl and resolved == "torch"
     return RowPlan(
         inv_tau=inv_tau,
-        want_entropy=want_entropy,
+        want_entropy=pos.want_entropy,
         backend=resolved,
-        chunk=chunk_rows(z.shape[-1], memory_budget, chunk_size),
-        stash=direction if (stash and grad_wanted and only_kl and resolved == "torch") else None,
+        chunk=chunk_rows(workspace_bytes_per_row(z.shape[-1]), z.device, memory_budget, chunk_size),
+        stash=pos.direction if stash else None,
     )
 
 
@@ -356,7 +379,7 @@ def kl_from_logits(
         ``"token-mean"``, ``"seq-mean-token-sum"``, ``"seq-mean-token-mean"``, ``"sum"``);
         ``[..., T]`` positions are rows of tokens, a 1-D ``[N]`` holds independent positions.
       return_entropy: also return :math:`H(\pi)` per position.
-      memory_budget: bytes of chunk workspace (default 32 MiB).
+      memory_budget: bytes of chunk workspace (default 32 MiB on the CPU, 1 GiB on a GPU).
       chunk_size: rows per chunk, overriding ``memory_budget``.
       backend: ``"auto"`` (Triton on CUDA when available, else PyTorch), ``"torch"``,
         ``"triton"`` (also on CPU tensors under ``TRITON_INTERPRET=1``, for tests).
@@ -379,38 +402,29 @@ def kl_from_logits(
       >>> kl = kl_from_logits(z, y, reduction="seq-mean-token-sum")
       >>> kl.backward()
     """
-    check_direction(direction)
-    check_choice("reduction", reduction, REDUCTIONS)
     logits, logits_ref = check_logits_pair(logits, logits_ref)
     inv_tau = check_temperature(temperature)
-    lead = logits.shape[:-1]
     v = logits.shape[-1]
-    flat_labels = None
-    if labels is not None:
-        flat_labels = check_labels(
-            labels, lead, logits.device, vocab_size=v, ignore_index=ignore_index
-        )
-    keep, rows = kept_rows(lead, logits.device, mask, flat_labels, ignore_index)
+    pos = positions(
+        logits.shape[:-1],
+        logits.device,
+        direction=direction,
+        reduction=reduction,
+        mask=mask,
+        labels=labels,
+        vocab_size=v,
+        ignore_index=ignore_index,
+        return_entropy=return_entropy,
+    )
     z, y = logits.reshape(-1, v), logits_ref.reshape(-1, v)
     plan = plan_for(
         z,
         y,
-        direction=direction,
+        pos,
         inv_tau=inv_tau,
-        want_entropy=return_entropy,
-        with_labels=flat_labels is not None,
         backend=backend,
         memory_budget=memory_budget,
         chunk_size=chunk_size,
         stash=stash,
     )
-    outputs = rows_kl(z, y, flat_labels, rows, plan)
-    return finish(
-        outputs,
-        lead=lead,
-        direction=direction,
-        keep=keep,
-        reduction=reduction,
-        with_labels=flat_labels is not None,
-        want_entropy=return_entropy,
-    )
+    return finish(rows_kl(z, y, pos.labels, pos.rows, plan), pos)

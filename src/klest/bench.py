@@ -1,0 +1,190 @@
+"""Speed and memory benchmarks of the exact-from-logits paths (``klest bench``; JSON out).
+
+Never timed tests: these write numbers, ratios against a baseline measured in the same run.
+
+``vocab-cpu``: N tokens x V vocabulary, float32, forward + backward of the per-position exact
+KL(pi||ref) summed, on the CPU. Each method runs in a fresh subprocess so its peak resident memory
+(``ru_maxrss``) is its own; the memory reported is the peak minus the resident size once the
+inputs exist, minus the returned gradient (``N V`` floats): what the method adds. Times are the
+median of repeated steps after the first (this machine's memory reclaim makes single steps vary
+by up to 10x). Methods:
+
+* ``naive``: ``F.kl_div(log_softmax(y), log_softmax(z), log_target=True)`` under autograd, the
+  expression people write (the baseline);
+* ``klest``: :func:`klest.kl_from_logits` (gradient stashed in the forward pass);
+* ``klest-recompute``: the same with ``stash=False`` (backward recomputes the softmaxes).
+
+``vocab-gpu`` (CUDA only): N=16384, V=128256, bf16; forward and forward + backward of the Triton
+path against the HBM roofline (2 reads of the logits forward, 5 passes forward + backward, at the
+copy bandwidth measured in the same run), torch eager, torch.compile and, when it imports,
+Liger-Kernel's KL loss with the log_softmax it needs; and the fused-linear path's peak memory.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+CPU_METHODS = ("naive", "klest", "klest-recompute")
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * resource.getpagesize()
+
+
+def _cpu_step(method: str):
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    import klest
+
+    def step(z, y):
+        if method == "naive":
+            kl = F.kl_div(
+                F.log_softmax(y, -1), F.log_softmax(z, -1), log_target=True, reduction="none"
+            ).sum(-1)
+        else:
+            kl = klest.kl_from_logits(z, y, stash=method == "klest")
+        kl.sum().backward()
+        return kl.detach()
+
+    del torch
+    return step
+
+
+def _cpu_child(method: str, n: int, v: int, reps: int, threads: int) -> dict:
+    """Runs in its own process: peak memory of one step, then the median time of ``reps``."""
+    import torch
+
+    torch.set_num_threads(threads)
+    g = torch.Generator().manual_seed(0)
+    z = (torch.randn(n, v, generator=g) * 2).requires_grad_()
+    y = torch.randn(n, v, generator=g) * 2
+    step = _cpu_step(method)
+    base = _rss_bytes()
+    kl = step(z, y)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    grad_bytes = z.grad.numel() * z.grad.element_size()
+    checksum = float(kl.double().sum())
+    times = []
+    for _ in range(reps):
+        z.grad = None
+        t0 = time.perf_counter()
+        step(z, y)
+        times.append(time.perf_counter() - t0)
+    return {
+        "method": method,
+        "seconds": statistics.median(times),
+        "seconds_min": min(times),
+        "seconds_all": times,
+        "peak_added_bytes": peak - base,
+        "added_beyond_gradient_bytes": peak - base - grad_bytes,
+        "kl_sum": checksum,
+    }
+
+
+def _spawn(args: list[str]) -> dict:
+    cmd = [sys.executable, "-m", "klest.bench", "--child", *args]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return {"error": (done.stderr or done.stdout)[-2000:], "returncode": done.returncode}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_vocab_cpu(
+    *, sizes: list[tuple[int, int]], reps: int, threads: int, progress: bool = True
+) -> dict:
+    """Time and added peak memory of every CPU method at each ``(N, V)``, ratios to naive."""
+    rows = []
+    for n, v in sizes:
+        results = {}
+        for method in CPU_METHODS:
+            if progress:
+                print(f"vocab-cpu N={n} V={v} {method} ...", file=sys.stderr, flush=True)
+            results[method] = _spawn([method, str(n), str(v), str(reps), str(threads)])
+        base = results["naive"]
+        for r in results.values():
+            if "error" in r or "error" in base:
+                continue
+            r["time_vs_naive"] = r["seconds"] / base["seconds"]
+            r["memory_vs_naive"] = r["added_beyond_gradient_bytes"] / max(
+                base["added_beyond_gradient_bytes"], 1
+            )
+        rows.append({"N": n, "V": v, "dtype": "float32", "results": results})
+    return {
+        "benchmark": "vocab-cpu",
+        "what": "forward + backward of the per-position exact KL(pi||ref), summed",
+        "machine": _machine(threads),
+        "cases": rows,
+    }
+
+
+def _machine(threads: int) -> dict:
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "processor": platform.processor() or platform.machine(),
+        "cpu_threads": threads,
+    }
+
+
+def format_vocab_cpu(report: dict) -> str:
+    lines = [
+        "| N | V | method | time (s) | x naive | added memory (MiB) | x naive |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for case in report["cases"]:
+        for method, r in case["results"].items():
+            if "error" in r:
+                lines.append(f"| {case['N']} | {case['V']} | {method} | failed: see JSON | | | |")
+                continue
+            lines.append(
+                f"| {case['N']} | {case['V']} | {method} | {r['seconds']:.3f} | "
+                f"{r.get('time_vs_naive', float('nan')):.2f} | "
+                f"{r['added_beyond_gradient_bytes'] / 2**20:.0f} | "
+                f"{r.get('memory_vs_naive', float('nan')):.3f} |"
+            )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "--child":
+        method, n, v, reps, threads = argv[1:6]
+        print(json.dumps(_cpu_child(method, int(n), int(v), int(reps), int(threads))))
+        return 0
+    raise SystemExit("use `klest bench`")
+
+
+def run(name: str, *, quick: bool, out: Path) -> int:
+    """Run one benchmark, print its table, write ``out/NAME.json``."""
+    out.mkdir(parents=True, exist_ok=True)
+    if name == "vocab-cpu":
+        sizes = [(256, 4096)] if quick else [(4096, 32768), (4096, 131072)]
+        report = bench_vocab_cpu(sizes=sizes, reps=2 if quick else 5, threads=2)
+        table = format_vocab_cpu(report)
+    elif name == "vocab-gpu":
+        from klest.bench_gpu import bench_vocab_gpu, format_vocab_gpu
+
+        report = bench_vocab_gpu(quick=quick)
+        table = format_vocab_gpu(report)
+    else:
+        raise SystemExit(f"unknown benchmark {name!r}; choose vocab-cpu or vocab-gpu")
+    path = out / f"{name}.json"
+    path.write_text(json.dumps(report, indent=2))
+    print(table)
+    print(f"\nwrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,193 @@
+"""GPU benchmark of the exact-from-logits paths (``klest bench vocab-gpu``; CUDA only).
+
+N=16384 positions, V=128256 (Llama 3's vocabulary), bf16 logits. Every number is measured in the
+same run: the copy bandwidth (``dst.copy_(src)`` of a 4 GiB tensor: bytes read + written per
+second) gives the roofline, 2 reads of the logits for the forward and 5 passes (2 reads forward,
+2 reads and 1 write backward) for forward + backward. Methods, for KL(ref||pi) with the gradient
+to pi's logits (the direction Liger-Kernel's KL loss differentiates) and KL(pi||ref) for klest:
+
+* ``klest``: :func:`klest.kl_from_logits` (Triton kernels);
+* ``eager``: ``F.kl_div(log_softmax(z), log_softmax(y), log_target=True)`` in PyTorch;
+* ``compile``: the same expression under ``torch.compile``;
+* ``liger``: ``LigerKLDIVLoss(log_target=True)`` on ``log_softmax(z)``, when liger_kernel imports.
+
+Also the fused-linear path (:func:`klest.kl_from_hidden`, H=4096): its peak memory beyond inputs
+and gradients, against one ``[N, V]`` bf16 logits tensor.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+
+def _time_cuda(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10) -> float:
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def _copy_bandwidth() -> float:
+    import torch
+
+    src = torch.empty(2**31, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    seconds = _time_cuda(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / seconds
+
+
+def _peak_added(fn: Callable[[], object]) -> int:
+    import torch
+
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - base
+
+
+def bench_vocab_gpu(*, quick: bool) -> dict:
+    """Forward and forward + backward times against the roofline; fused-linear peak memory."""
+    import torch
+    import torch.nn.functional as F  # noqa: N812
+
+    import klest
+
+    if not torch.cuda.is_available():
+        raise SystemExit("klest bench vocab-gpu needs a CUDA device")
+    n, v, h_dim = (2048, 32000, 1024) if quick else (16384, 128256, 4096)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    z = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g) * 2
+    y = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g) * 2
+    logits_bytes = n * v * z.element_size()
+    bandwidth = _copy_bandwidth()
+
+    def naive(zz, yy):
+        return F.kl_div(
+            F.log_softmax(zz.float(), -1),
+            F.log_softmax(yy.float(), -1),
+            log_target=True,
+            reduction="none",
+        ).sum(-1)
+
+    compiled = torch.compile(naive)
+    methods: dict[str, Callable] = {
+        "klest pi||ref": lambda zz, yy: klest.kl_from_logits(zz, yy),
+        "klest ref||pi": lambda zz, yy: klest.kl_from_logits(zz, yy, direction="ref||pi"),
+        "eager ref||pi": naive,
+        "compile ref||pi": compiled,
+    }
+    try:
+        from liger_kernel.transformers import LigerKLDIVLoss
+
+        liger = LigerKLDIVLoss(reduction="sum", log_target=True)
+        methods["liger ref||pi"] = lambda zz, yy: liger(
+            F.log_softmax(zz.float(), -1), F.log_softmax(yy.float(), -1)
+        )
+    except ImportError:
+        pass
+
+    results = {}
+    zg = z.detach().requires_grad_()
+    for name, fn in methods.items():
+        row: dict[str, float | str] = {}
+        try:
+            with torch.no_grad():
+                row["forward_s"] = _time_cuda(lambda fn=fn: fn(z, y))
+
+            def step(fn=fn):
+                zg.grad = None
+                fn(zg, y).sum().backward()
+
+            row["forward_backward_s"] = _time_cuda(step)
+            row["peak_added_bytes"] = _peak_added(step)
+        except Exception as e:  # an out-of-memory baseline is a result, not a crash
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+            torch.cuda.empty_cache()
+        results[name] = row
+
+    roofline_fwd = 2 * logits_bytes / bandwidth
+    roofline_fb = 5 * logits_bytes / bandwidth
+    for row in results.values():
+        if "forward_s" in row:
+            row["forward_vs_roofline"] = roofline_fwd / row["forward_s"]
+        if "forward_backward_s" in row:
+            row["forward_backward_vs_roofline"] = row["forward_backward_s"] / roofline_fb
+
+    hid = torch.randn(n, h_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(v, h_dim, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    hid_ref, w_ref = hid.clone(), (w + 0.01 * torch.randn_like(w)).contiguous()
+    hid.requires_grad_()
+    w.requires_grad_()
+
+    def fused_step():
+        hid.grad = w.grad = None
+        klest.kl_from_hidden(hid, w, hid_ref, w_ref, reduction="token-mean").backward()
+
+    grads_bytes = (hid.numel() + w.numel()) * 2
+    fused = {
+        "forward_backward_s": _time_cuda(fused_step, warmup=1, reps=3),
+        "peak_added_bytes": _peak_added(fused_step),
+        "gradient_bytes": grads_bytes,
+        "one_logits_tensor_bytes": logits_bytes,
+    }
+    fused["added_beyond_gradients_vs_logits"] = (
+        fused["peak_added_bytes"] - grads_bytes
+    ) / logits_bytes
+
+    return {
+        "benchmark": "vocab-gpu",
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "N": n,
+        "V": v,
+        "H": h_dim,
+        "dtype": "bfloat16",
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "roofline_forward_s": roofline_fwd,
+        "roofline_forward_backward_s": roofline_fb,
+        "methods": results,
+        "fused_linear": fused,
+    }
+
+
+def format_vocab_gpu(report: dict) -> str:
+    lines = [
+        f"{report['device']}, N={report['N']}, V={report['V']}, bf16; copy bandwidth "
+        f"{report['copy_bandwidth_bytes_per_s'] / 1e12:.2f} TB/s; roofline forward "
+        f"{report['roofline_forward_s'] * 1e3:.2f} ms, forward+backward "
+        f"{report['roofline_forward_backward_s'] * 1e3:.2f} ms",
+        "",
+        "| method | forward (ms) | % roofline | fwd+bwd (ms) | x 5-pass roofline "
+        "| peak added (GiB) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, r in report["methods"].items():
+        if "error" in r:
+            lines.append(f"| {name} | {r['error'][:60]} | | | | |")
+            continue
+        lines.append(
+            f"| {name} | {r['forward_s'] * 1e3:.2f} | {100 * r['forward_vs_roofline']:.0f}% | "
+            f"{r['forward_backward_s'] * 1e3:.2f} | {r['forward_backward_vs_roofline']:.2f} | "
+            f"{r['peak_added_bytes'] / 2**30:.2f} |"
+        )
+    f = report["fused_linear"]
+    lines.append(
+        f"\nfused linear (H={report['H']}): forward+backward "
+        f"{f['forward_backward_s'] * 1e3:.1f} ms; peak beyond gradients = "
+        f"{f['added_beyond_gradients_vs_logits']:.3f} x one [N, V] "
+        "bf16 logits tensor"
+    )
+    return "\n".join(lines)

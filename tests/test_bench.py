@@ -1,0 +1,33 @@
+"""The benchmark commands run and write well-formed JSON (no timing is asserted: speed and
+memory are measured by `klest bench`, never by tests)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from klest.cli import main
+
+
+def test_vocab_cpu_quick_writes_every_method(tmp_path, capsys):
+    assert main(["bench", "vocab-cpu", "--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "vocab-cpu.json").read_text())
+    (case,) = report["cases"]
+    assert set(case["results"]) == {"naive", "klest", "klest-recompute"}
+    sums = []
+    for method, r in case["results"].items():
+        assert "error" not in r, (method, r.get("error"))
+        assert r["seconds"] > 0 and math.isfinite(r["time_vs_naive"])
+        sums.append(r["kl_sum"])
+    # The three compute the same KL: float32 sums of 256 KLs of size ~4 agree to ~1e-6.
+    assert max(sums) - min(sums) <= 1e-5 * abs(sums[0])
+    assert "| naive |" in capsys.readouterr().out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_vocab_gpu_needs_cuda(tmp_path):
+    with pytest.raises(SystemExit, match="CUDA"):
+        main(["bench", "vocab-gpu", "--quick", "--out", str(tmp_path)])
