@@ -28,6 +28,12 @@ Gradient estimators (``grad=``) and what their mean is:
 ``autodiff``   autodiff of the value estimator itself (TRL/verl's k3 loss)  see below
 ============== ============================================================ =====================
 
+``token``'s mean is :math:`\sum_t E_{y_{<t}}[\nabla KL_t(y_{<t})]`: the gradients of the
+per-position KLs :math:`KL_t = KL(\pi(\cdot|y_{<t})\|ref(\cdot|y_{<t}))` (or ref||pi) with
+the prefix distribution held fixed, prefixes drawn from the sampler (pi on-policy; behavior
+off-policy, since :math:`w_t` reweights only the token at t). It misses each token's effect on
+the later ones, so it is not the gradient of the sequence KL for T > 1.
+
 ``autodiff`` on sampled (not reparameterized) tokens: k1 has mean gradient 0; k3 and cv descend
 :math:`\sum_t E_{y_{<t}\sim\pi} KL(ref_t\|\pi_t)` (the *other* direction, token by token); k2
 gives ``token``; rb gives only the first (pathwise) sum of ``rb``. On reparameterized samples it
