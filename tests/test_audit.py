@@ -81,3 +81,41 @@ def test_mean_shift_z_is_calibrated_under_the_null_and_detects_a_shift():
     assert float(zs.max()) < 4
     shifted = torch.randn(n, dim, generator=g, dtype=torch.float64) @ mix + 0.2
     assert mean_shift_z(shifted, torch.zeros(dim, dtype=torch.float64)) > 4
+
+
+def _bonferroni_z(m: int, z: float = 4.0) -> float:
+    """The per-coordinate threshold that keeps the family-wise false-fail rate of m two-sided
+    comparisons at that of one comparison at ``z`` (6e-5 for z = 4)."""
+    from statistics import NormalDist
+
+    p = 2 * (1 - NormalDist().cdf(z))
+    return NormalDist().inv_cdf(1 - p / (2 * m))
+
+
+def test_grad_audit_reports_the_mean_gradient_and_the_bias_vector():
+    from klest.audit import GradSpec, audit_grad, gradient_draws
+    from klest.testbeds import TabularAutoregressive
+
+    tb = TabularAutoregressive.random(3, 3, eos=2, seed=4, scale=0.8)
+    exact = torch.cat([g.reshape(-1) for g in tb.exact_kl_grad("pi||ref")]).double()
+    a = audit_grad("k3/cumulative", tb, batch_size=8, n_trials=400, seed=7)
+    assert a.mean_grad.shape == a.bias.shape == a.se.shape == exact.shape
+    assert not (a.mean_grad.requires_grad or a.bias.requires_grad)
+    # The same draws recomputed outside the audit.
+    draws = gradient_draws(
+        GradSpec.parse("k3/cumulative").build("pi||ref"), tb, batch_size=8, n_trials=400, seed=7
+    )
+    torch.testing.assert_close(a.mean_grad, draws.mean(0), rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(a.bias, a.mean_grad - exact, rtol=0, atol=1e-15)
+    assert float(a.bias.norm()) == pytest.approx(a.bias_norm, rel=1e-12)
+    # Unbiased (cumulative): every coordinate within the Bonferroni-corrected Z standard errors.
+    # Coordinates of prefixes after eos are never reached: exactly 0 in draws and exact gradient.
+    varies = a.se > 0
+    z = _bonferroni_z(int(varies.sum()))
+    assert bool((a.bias[varies].abs() <= z * a.se[varies]).all()), (a.bias / a.se).abs().max()
+    assert bool((a.bias[~varies] == 0).all())
+    # The token-level gradient is biased on sequences: some coordinate is far outside.
+    b = audit_grad("k3/token", tb, batch_size=8, n_trials=400, seed=7)
+    assert bool((b.bias.abs() > z * b.se).any())
+    assert set(a.as_dict()) >= {"mean_grad", "bias", "se"}
+    assert "mean_grad" not in repr(a)

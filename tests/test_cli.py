@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
-from klest.cli import main
+from klest.cli import SEQUENCE_VALUE_AUDIT, VALUE_AUDIT, main
+from tests.conftest import Z
 
 
 def test_list_names_the_experiments(capsys):
@@ -14,10 +18,22 @@ def test_list_names_the_experiments(capsys):
     assert "schulman" in capsys.readouterr().out
 
 
-def test_run_schulman_quick_reproduces_the_table(tmp_path, capsys):
+def test_command_line_run_schulman_quick_seed_3_reproduces_the_table(tmp_path):
+    """The installed command line (``python -m klest.cli``): exit code, files, the table."""
     out = tmp_path / "schulman"
-    assert main(["run", "schulman", "--quick", "--out", str(out), "--no-progress"]) == 0
+    proc = subprocess.run(
+        [
+            *(sys.executable, "-m", "klest.cli", "run", "schulman", "--quick", "--seed", "3"),
+            *("--out", str(out), "--no-progress"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},  # 2 shared cores: no oversubscription
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads((out / "result.json").read_text())
+    assert result["seed"] == 3 and result["quick"] is True
     assert result["reproduced"] is True
     rows = {(s["mu"], r["estimator"]): r for s in result["settings"] for r in s["rows"]}
     # The closed forms the issue names, recomputed here independently of the experiment.
@@ -32,8 +48,59 @@ def test_run_schulman_quick_reproduces_the_table(tmp_path, capsys):
     assert (out / "table.md").read_text().count("| k3 |") == 2
     assert (out / "stdev_bias_vs_mu.png").stat().st_size > 10_000
     assert (out / "per_sample_histograms.png").stat().st_size > 10_000
-    printed = capsys.readouterr().out
-    assert "reproduced" in printed and str(out / "result.json") in printed
+    assert "reproduced" in proc.stdout and str(out / "result.json") in proc.stdout
+
+
+def _table_rows(text: str, first_cell: str) -> list[list[str]]:
+    """Cells of the markdown rows whose first cell is ``first_cell``."""
+    rows = []
+    for line in text.splitlines():
+        # Cells are separated by " | " (a KL's name contains "||").
+        cells = [c.strip() for c in line.strip().removeprefix("|").removesuffix("|").split(" | ")]
+        if line.startswith("|") and cells[0] == first_cell:
+            rows.append(cells)
+    return rows
+
+
+def _value_and_se(cell: str) -> tuple[float, float]:
+    value, _, se = cell.partition("±")
+    return float(value), float(se)
+
+
+def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys):
+    """``klest audit --quick``: every value estimator on every testbed, @sequence rows on the
+    tabular testbed, and the mean / EMA baselines in the gradient tables.
+
+    On sequences the token-level KL(ref||pi) estimators have an exact mean different from the
+    KL (prefixes from pi, not ref; exact, no sampling); the @sequence rows' exact mean is the
+    KL, and their measured bias is within Z = 4 standard errors. ``+mean`` scales the expected
+    gradient by 1 - 1/8 (batches of 8): its regression coefficient on the claimed KL's gradient
+    must be within 4 of its standard errors of 0.875.
+    """
+    assert main(["audit", "--quick"]) == 0
+    text = capsys.readouterr().out
+    for spec in VALUE_AUDIT:
+        rows = _table_rows(text, spec)
+        assert len(rows) == 3 * 2, spec  # three testbeds, two directions
+    for spec in SEQUENCE_VALUE_AUDIT:
+        rows = _table_rows(text, f"{spec}@sequence")
+        assert [r[2] for r in rows] == ["KL(pi||ref)", "KL(ref||pi)"], spec
+        for r in rows:
+            assert r[1] == "tabular-autoregressive"
+            exact = float(r[3])
+            if r[4] != "—":  # fixed coefficients have an exact mean: the KL itself
+                assert float(r[4]) == pytest.approx(exact, rel=1e-4)
+            assert abs(float(r[7])) <= Z, r  # z column
+    (k3_token,) = [
+        r for r in _table_rows(text, "k3") if r[1:3] == ["tabular-autoregressive", "KL(ref||pi)"]
+    ]
+    assert abs(float(k3_token[4]) / float(k3_token[3]) - 1) > 0.05, k3_token
+    for direction in ("KL(pi||ref)", "KL(ref||pi)"):
+        (ema,) = [r for r in _table_rows(text, "k3/score+ema") if r[1] == direction]
+        assert ema[-1] == f"descends {direction}"
+        (mean,) = [r for r in _table_rows(text, "k3/score+mean") if r[1] == direction]
+        coef, se = _value_and_se(mean[8] if direction == "KL(pi||ref)" else mean[9])
+        assert abs(coef - (1 - 1 / 8)) <= Z * se, mean
 
 
 def test_unknown_experiment_exits_with_a_message():

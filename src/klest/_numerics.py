@@ -48,6 +48,26 @@ def xexp_tail(x: Tensor) -> Tensor:
     return _series_or_direct(x, _XEXP_TAIL, lambda z: torch.exp(z) * (z - 1.0) + 1.0)
 
 
+def times_exp(c: Tensor, x: Tensor) -> Tensor:
+    """``c e^x``, finite wherever the product is, also where ``e^x`` alone overflows.
+
+    Where ``e^x`` is finite this is the product (two roundings); where it overflows the product
+    is ``sign(c) e^{x + log|c|}`` (relative error about ``|x|`` ulps: at most ~5e-6 in float32,
+    ~1e-13 in float64), which is finite for small enough ``|c|`` and the correctly signed
+    infinity otherwise. ``c = 0`` gives 0.
+    """
+    c, x = torch.broadcast_tensors(c, x)
+    with torch.no_grad():
+        overflow = torch.isinf(torch.exp(x)) & (x > 0)
+        via_log = overflow & (c != 0)
+    # Each branch sees only inputs valid for it (no inf * 0 in either backward).
+    direct = c * torch.exp(torch.where(overflow, torch.zeros_like(x), x))
+    c_log = torch.where(via_log, c, torch.ones_like(c))
+    x_log = torch.where(via_log, x, torch.zeros_like(x))
+    logged = torch.sign(c_log) * torch.exp(x_log + torch.log(c_log.abs()))
+    return torch.where(via_log, logged, direct)
+
+
 def x_exp(x: Tensor) -> Tensor:
     """``x e^x`` with the limit 0 at x = -inf (``r log r`` at ``r = 0``)."""
     x = x.clamp(min=torch.finfo(x.dtype).min)

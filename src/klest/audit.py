@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from torch import Tensor
@@ -350,6 +350,11 @@ class GradAudit:
     vector (the exact gradient of the target KL, of the other KL, or zero); values
     above ``z_threshold`` reject it. ``coef_*`` regress the mean gradient on the two exact
     gradients (None when those are nearly parallel).
+
+    ``mean_grad`` (the mean of the draws), ``bias`` (``mean_grad`` minus the exact gradient of
+    the claimed KL) and ``se`` (the standard error of each coordinate of ``mean_grad``,
+    ``std / sqrt(n_trials)``) are detached float64 vectors over the flattened parameters; they
+    are left out of the printed table and the repr, and :meth:`as_dict` gives them as lists.
     """
 
     estimator: str
@@ -373,9 +378,16 @@ class GradAudit:
     coef_ref_pi: float | None
     coef_ref_pi_se: float | None
     verdict: str
+    mean_grad: Tensor = field(repr=False, compare=False)
+    bias: Tensor = field(repr=False, compare=False)
+    se: Tensor = field(repr=False, compare=False)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        """All fields, the vectors as lists (JSON-able)."""
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        for key in ("mean_grad", "bias", "se"):
+            out[key] = out[key].tolist()
+        return out
 
 
 def _flat_grad(loss: Tensor, params: list[Tensor]) -> Tensor:
@@ -554,6 +566,9 @@ def audit_grad(
         coef_ref_pi=coefs[1],
         coef_ref_pi_se=ses[1],
         verdict=verdict,
+        mean_grad=mean.detach(),
+        bias=bias.detach(),
+        se=(draws.std(0) / math.sqrt(n_trials)).detach(),
     )
 
 

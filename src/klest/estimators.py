@@ -32,6 +32,7 @@ seed 001 (control variates, fitted coefficient); DESIGN.md section 3.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -49,7 +50,7 @@ from klest._checks import (
     check_same_shape,
     compute_dtype,
 )
-from klest._numerics import exp_tail, x_exp, xexp_tail
+from klest._numerics import exp_tail, times_exp, x_exp, xexp_tail
 from klest.aggregation import KLDiagnostics, as_rows, diagnostics, reduce_rows
 from klest.control_variates import ALPHA_FITS, AlphaEMA, fit_alpha
 
@@ -162,7 +163,54 @@ def ratio_terms(delta: Tensor, direction: str) -> RatioTerms:
     return RatioTerms(naive=x_exp(log_r), k3=xexp_tail(log_r), u=-torch.expm1(log_r))
 
 
-def _combine(terms: RatioTerms, delta: Tensor, estimator: str, coef: Tensor | None) -> Tensor:
+def _control_variate(terms: RatioTerms, delta: Tensor, direction: str, coef: Tensor) -> Tensor:
+    r"""``naive + coef * u``, to a few ulps of its terms, and never ``inf - inf``.
+
+    Two exact forms: ``k3 + (coef - 1) u`` (k3 is computed without cancellation, so this is
+    exact near r = 1 for coef near 1) and ``naive + coef * u``. Each element uses the one whose
+    terms are smaller in magnitude (its rounding error is a few ulps of them); e.g. coef = 0 at
+    small r takes the second, which is k1 itself rather than ``k3 - u``.
+
+    Where neither is finite, r = e^{-delta} (or a product with it) has overflowed; the first
+    form is then ``inf - inf`` for coef < 1. There the value is written with one exponential,
+    with :math:`x = \log r = -\delta`:
+
+    - KL(pi||ref): :math:`\alpha e^x - x - \alpha`,
+    - KL(ref||pi): :math:`(x - \alpha) e^x + \alpha`,
+
+    whose ``c e^x`` term (:func:`~klest._numerics.times_exp`) is finite when the product is and
+    the correctly signed infinity otherwise: so the result is the true value, or the true
+    value's infinite limit once it is past the dtype's range; never NaN.
+    """
+
+    def near_forms(t: RatioTerms) -> Tensor:
+        bregman = t.k3 + (coef - 1.0) * t.u
+        plain = t.naive + coef * t.u
+        with torch.no_grad():
+            use_plain = t.naive.abs() + coef.abs() * t.u.abs() < (
+                t.k3.abs() + (coef - 1.0).abs() * t.u.abs()
+            )
+        return torch.where(use_plain, plain, bregman)
+
+    near = near_forms(terms)
+    with torch.no_grad():
+        far = ~torch.isfinite(near)
+    if not bool(far.any()):
+        return near
+    # Recompute each form with inputs valid for it, so neither backward sees inf * 0.
+    zero = torch.zeros_like(delta)
+    near = near_forms(ratio_terms(torch.where(far, zero, delta), direction))
+    x = -torch.where(far, delta, zero)
+    if direction == "pi||ref":
+        far_value = times_exp(coef, x) - x - coef
+    else:
+        far_value = times_exp(x - coef, x) + coef
+    return torch.where(far, far_value, near)
+
+
+def _combine(
+    terms: RatioTerms, delta: Tensor, estimator: str, direction: str, coef: Tensor | None
+) -> Tensor:
     if estimator == "k1":
         return terms.naive
     if estimator == "k2":
@@ -171,7 +219,7 @@ def _combine(terms: RatioTerms, delta: Tensor, estimator: str, coef: Tensor | No
         return terms.k3
     if estimator == "abs":
         return terms.naive.abs()
-    return terms.k3 + (coef - 1.0) * terms.u
+    return _control_variate(terms, delta, direction, coef)
 
 
 def per_token_values(
@@ -187,11 +235,12 @@ def per_token_values(
         if not isinstance(alpha, int | float | Tensor):
             raise ValueError(f"per_token_values needs a fixed alpha for 'cv', got {alpha!r}")
         coef = torch.as_tensor(alpha, dtype=delta.dtype, device=delta.device)
-    return _combine(ratio_terms(delta, direction), delta, estimator, coef)
+    return _combine(ratio_terms(delta, direction), delta, estimator, direction, coef)
 
 
 def _weighted(x: Tensor, log_w: Tensor | None) -> Tensor:
-    return x if log_w is None else torch.exp(log_w) * x
+    # w x with w = e^{log_w}: a zero value stays 0 when w overflows (not inf * 0 = NaN).
+    return x if log_w is None else times_exp(x, log_w)
 
 
 def _resolve_alpha(
@@ -212,6 +261,10 @@ def _resolve_alpha(
         alpha.update(_weighted(terms.naive, lr.log_w), _weighted(terms.u, lr.log_w), lr.valid)
         return value
     if isinstance(alpha, Tensor):
+        if not bool(torch.isfinite(alpha).all()):
+            raise ValueError(
+                "alpha must be finite (a NaN or inf coefficient makes every value NaN)"
+            )
         alpha = alpha.to(device=lr.delta.device, dtype=lr.delta.dtype)
         if alpha.numel() == 1:
             return alpha.reshape(())
@@ -222,6 +275,8 @@ def _resolve_alpha(
             )
         return as_rows(alpha)
     if isinstance(alpha, int | float) and not isinstance(alpha, bool):
+        if not math.isfinite(alpha):
+            raise ValueError(f"alpha must be finite, got {alpha}")
         return torch.tensor(float(alpha), dtype=lr.delta.dtype, device=lr.delta.device)
     raise TypeError(f"alpha must be a number, tensor, str or AlphaEMA, got {type(alpha).__name__}")
 
@@ -306,7 +361,7 @@ def kl_estimate(
         group = check_group(group, logp.shape, logp.device)
     terms = ratio_terms(lr.delta, direction)
     coef = _resolve_alpha(alpha, terms, lr, group) if estimator == "cv" else None
-    values = _weighted(_combine(terms, lr.delta, estimator, coef), lr.log_w)
+    values = _weighted(_combine(terms, lr.delta, estimator, direction, coef), lr.log_w)
     return _finish(values, lr, reduction, return_diagnostics, alpha=coef)
 
 
@@ -388,10 +443,27 @@ def f_divergence(
         D_f(ref \| \pi) = E_{x\sim\pi}[f(r)], \quad r = ref(x)/\pi(x), \qquad
         \text{estimate} = f(r) - f'(1)(r - 1)
 
-    ``f(r) = -log r`` gives KL(pi||ref), ``f(r) = r log r`` KL(ref||pi), ``f(r) = (r-1)^2``
-    the chi-squared divergence. ``f`` must map a tensor of ratios to a tensor (autodiff-able when
-    ``f_prime_at_1`` is not given; it is then computed by autograd). Samples, options and shapes
-    as in :func:`kl_estimate`. Source: DESIGN.md section 3; Schulman (2020).
+    ``f(r) = -log r`` gives KL(pi||ref), ``f(r) = r log r`` KL(ref||pi) (write it
+    ``torch.xlogy(r, r)`` so that r = 0 gives 0), ``f(r) = (r-1)^2`` the chi-squared divergence.
+    ``f`` must map a tensor of ratios to a tensor (autodiff-able when ``f_prime_at_1`` is not
+    given; it is then computed by autograd). Samples, options and shapes as in
+    :func:`kl_estimate`.
+
+    Numerics: ``f`` is called on :math:`r = e^{-\delta}` in float64 (whatever the input dtype,
+    except on devices without float64) and the result is cast to the compute dtype, so float32
+    inputs do not overflow r for :math:`|\delta| \le 709`; a value past the output dtype's
+    range is ``inf``. For a black-box ``f`` the estimate cancels near r = 1: its absolute error
+    is a few float64 ulps of ``f(r)``, so for ``f = -log`` the relative error is about
+    :math:`2^{-52} / (\delta^2/2)`. Measured against 50-digit arithmetic: <= 1e-11 for
+    :math:`|\delta| \ge 10^{-3}`, 9e-9 at :math:`10^{-4}`, 2e-6 at :math:`10^{-5}`, 8e-5 at
+    :math:`10^{-6}` (float32 inputs: <= 5e-8 for :math:`|\delta| \ge 10^{-4}`, 9e-5 at
+    :math:`10^{-6}`). For the two KLs use :func:`kl_estimate` (k3), which works on log r and is
+    exact near r = 1. Where the result would be NaN (``f`` undefined, or ``inf - inf`` once r
+    is outside float64's range, :math:`|\delta| > 709`), or infinite because r underflowed to 0
+    (:math:`\delta > 745`, where ``f(0)`` need not be the limit), this raises a ValueError
+    naming the positions instead.
+
+    Source: DESIGN.md section 3; Schulman (2020).
     """
     if not callable(f):
         raise TypeError(f"f must be callable, got {type(f).__name__}")
@@ -403,7 +475,40 @@ def f_divergence(
         with torch.enable_grad():
             (slope,) = torch.autograd.grad(f(one), one)
         f_prime_at_1 = float(slope)
-    r_minus_1 = torch.expm1(-lr.delta)
-    values = f(r_minus_1 + 1.0) - f_prime_at_1 * r_minus_1
-    values = _weighted(values, lr.log_w)
+    wide = torch.float64 if lr.delta.device.type != "mps" else lr.delta.dtype
+    delta = lr.delta.to(wide)
+    r = torch.exp(-delta)
+    values = f(r) - f_prime_at_1 * torch.expm1(-delta)
+    _check_f_values(values, r, delta, lr.valid)
+    values = _weighted(values.to(lr.delta.dtype), lr.log_w)
     return _finish(values, lr, reduction, return_diagnostics)
+
+
+def _check_f_values(values: Tensor, r: Tensor, delta: Tensor, valid: Tensor) -> None:
+    """Raise where an f-divergence estimate is NaN, or infinite only because r underflowed."""
+    with torch.no_grad():
+        if not isinstance(values, Tensor) or values.shape != r.shape:
+            raise ValueError(
+                "f must map a tensor of ratios to a tensor of the same shape; got "
+                f"{type(values).__name__} {tuple(getattr(values, 'shape', ()))} for ratios of "
+                f"shape {tuple(r.shape)}"
+            )
+        nan = valid & torch.isnan(values)
+        underflow = valid & torch.isinf(values) & (r == 0)
+        bad = nan | underflow
+        if not bool(bad.any()):
+            return
+        first = tuple(bad.nonzero()[0].tolist())
+        out_of_range = bad & ((r == 0) | torch.isinf(r))
+        if bool(out_of_range.any()):
+            raise ValueError(
+                f"f(r) - f'(1)(r - 1) is not defined numerically at {int(bad.sum())} position(s) "
+                f"(first at row/token {first}, delta = {float(delta[first]):.6g}): the ratio "
+                "r = exp(-delta) is outside float64's range there (|delta| > ~709), so f(r) "
+                "is inf - inf or f(0) instead of its limit; for KL(pi||ref) and KL(ref||pi) "
+                "use klest.kl_estimate, which works with log r"
+            )
+        raise ValueError(
+            f"f returned NaN at {int(bad.sum())} position(s) (first at row/token {first}, "
+            f"r = {float(r[first]):.6g}); f must be defined on (0, inf)"
+        )

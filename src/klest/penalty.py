@@ -28,6 +28,12 @@ Gradient estimators (``grad=``) and what their mean is:
 ``autodiff``   autodiff of the value estimator itself (TRL/verl's k3 loss)  see below
 ============== ============================================================ =====================
 
+``token``'s mean is :math:`\sum_t E_{y_{<t}}[\nabla KL_t(y_{<t})]`: the gradients of the
+per-position KLs :math:`KL_t = KL(\pi(\cdot|y_{<t})\|ref(\cdot|y_{<t}))` (or ref||pi) with
+the prefix distribution held fixed, prefixes drawn from the sampler (pi on-policy; behavior
+off-policy, since :math:`w_t` reweights only the token at t). It misses each token's effect on
+the later ones, so it is not the gradient of the sequence KL for T > 1.
+
 ``autodiff`` on sampled (not reparameterized) tokens: k1 has mean gradient 0; k3 and cv descend
 :math:`\sum_t E_{y_{<t}\sim\pi} KL(ref_t\|\pi_t)` (the *other* direction, token by token); k2
 gives ``token``; rb gives only the first (pathwise) sum of ``rb``. On reparameterized samples it
@@ -242,6 +248,45 @@ def _rb(x: _SurrogateInputs, kls: Tensor | None) -> Tensor:
     return surrogate
 
 
+def _first_position(flags: Tensor) -> str:
+    return f"{int(flags.sum())} position(s) (first at index {tuple(flags.nonzero()[0].tolist())})"
+
+
+def _check_surrogate_finite(
+    surrogate: Tensor,
+    logp: Tensor,
+    logp_ref: Tensor,
+    logp_behavior: Tensor | None,
+    mask: Tensor | None,
+    direction: str,
+) -> None:
+    """Raise, naming the responsible argument, when the surrogate (the gradient) is not finite."""
+    with torch.no_grad():
+        if bool(torch.isfinite(surrogate).all()):
+            return
+        keep = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask.bool()
+        keep = keep & (logp > float("-inf"))
+        zero_ref = keep & (logp_ref == float("-inf"))
+        if bool(zero_ref.any()):
+            raise ValueError(
+                f"logp_ref is -inf at {_first_position(zero_ref)} where pi sampled the token: "
+                f"ref gives it probability 0, so KL({direction}) is infinite and has no finite "
+                "gradient; mask those tokens out (or give ref nonzero mass there)"
+            )
+        if logp_behavior is not None:
+            raise ValueError(
+                "the gradient surrogate is not finite: the importance weights "
+                "exp(logp - logp_behavior) (largest log-weight "
+                f"{float(torch.where(keep, logp - logp_behavior, float('-inf')).max()):.4g}) or "
+                "the log-ratios logp - logp_ref overflow; clip or mask such tokens"
+            )
+        raise ValueError(
+            "the gradient surrogate is not finite: the log-ratios logp - logp_ref (largest "
+            f"|logp - logp_ref| {float(torch.where(keep, logp - logp_ref, 0.0).abs().max()):.4g})"
+            " overflow the ratio exp(-(logp - logp_ref)) or its sum; mask such tokens"
+        )
+
+
 _SCORE_SURROGATES = {"token": _token, "score": _score, "cumulative": _cumulative, "rb": _rb}
 
 
@@ -378,6 +423,7 @@ def kl_penalty(
 
     value_out = _reduce_rows(value_rows, counts, reduction, seq_shape)
     surrogate_out = _reduce_rows(surrogate_rows, counts, reduction, seq_shape)
+    _check_surrogate_finite(surrogate_out, logp, logp_ref, logp_behavior, mask, direction)
     loss = decouple(value_out, surrogate_out)
     if not return_details:
         return loss
