@@ -1,4 +1,4 @@
-"""`python benchmarks/bench.py {vocab-cpu,vocab-gpu} [--quick] [--out DIR]`: same as `klest bench`."""
+"""`python benchmarks/bench.py {vocab-cpu,vocab-gpu} [--quick] [--out DIR]`, as `klest bench`."""
 
 import sys
 

@@ -16,6 +16,7 @@ import importlib.util
 import itertools
 import math
 import os
+import zlib
 
 import pytest
 import torch
@@ -66,15 +67,31 @@ def assert_close(actual, expected, *, atol, rtol, what):
     )
 
 
-def grad_close(actual, expected, dtype, *, ulps, what):
-    scale = float(expected.abs().max()) if expected.numel() else 0.0
-    assert_close(
-        actual,
-        expected,
-        atol=(1e-5 if dtype != torch.float64 else 1e-12) * max(scale, 1e-30),
-        rtol=ulps * ULP[dtype],
-        what=what,
-    )
+def arithmetic_scale(z, y, temperature=1.0, upstream=None):
+    """Per entry, the size of what the gradient's float arithmetic cancels: (q + p) times
+    (1 + |log q| + |log p| + both KLs + H(q)) / T, times |upstream| per row."""
+    la = torch.log_softmax(z.detach().double() / temperature, -1)
+    lb = torch.log_softmax(y.detach().double() / temperature, -1)
+    q, p = la.exp(), lb.exp()
+    fin = torch.isfinite(la) & torch.isfinite(lb)
+    la, lb = torch.where(fin, la, 0.0), torch.where(fin, lb, 0.0)
+    kls = (q * (la - lb)).sum(-1, keepdim=True) + (p * (lb - la)).sum(-1, keepdim=True)
+    ent = -(q * la).sum(-1, keepdim=True)
+    up = 1.0 if upstream is None else upstream.abs().unsqueeze(-1)
+    return (q + p) * (1 + la.abs() + lb.abs() + kls + ent) / temperature * up
+
+
+def grad_close(actual, expected, dtype, *, scale, ulps, what, upstream_scale=1.0):
+    """``|actual - expected| <= 32 eps scale + ulps ulp(dtype)``: float32 (float64) arithmetic
+    on terms of size ``scale`` (measured worst case over 720 random cases: 8.2 eps scale, so a
+    margin of 4), plus the rounding of the result to the input dtype, relative (``ulps`` ulps of
+    ``|expected|``) and, for subnormal results (fp16 gradients below 6e-5), absolute; the
+    stash rounds the per-unit gradient before scaling it by the upstream gradient, so there the
+    subnormal rounding is multiplied by ``upstream_scale = max(1, |upstream|)``."""
+    eps = 2.0**-52 if dtype == torch.float64 else 2.0**-24
+    subnormal_spacing = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    atol = 32 * eps * scale + ulps * subnormal_spacing * upstream_scale
+    assert_close(actual, expected, atol=atol, rtol=ulps * ULP[dtype], what=what)
 
 
 def value_tol(dtype):
@@ -98,7 +115,7 @@ GRID = list(
 @pytest.mark.parametrize(("shape", "dtype", "direction"), GRID)
 @pytest.mark.parametrize("stash", [True, False])
 def test_values_and_gradients_match_reference(shape, dtype, direction, stash):
-    seed = hash((shape, str(dtype), direction)) % 2**31
+    seed = zlib.crc32(repr((shape, str(dtype), direction)).encode())
     z = _logits(shape, dtype, seed).requires_grad_()
     y = _logits(shape, dtype, seed + 1).requires_grad_()
     upstream = _logits(shape[:-1], torch.float64, seed + 2, scale=1.0)
@@ -115,8 +132,18 @@ def test_values_and_gradients_match_reference(shape, dtype, direction, stash):
         what = f"{shape} {dtype} {direction} T={temperature} stash={stash}"
         assert_close(kl, ref, atol=value_tol(dtype)[0], rtol=value_tol(dtype)[1], what=what)
         ulps = 1.0 if stash else 0.5
-        grad_close(dz, rz, dtype, ulps=ulps, what=f"dz {what}")
-        grad_close(dy, ry, dtype, ulps=ulps, what=f"dy {what}")
+        scale = arithmetic_scale(z, y, temperature, upstream)
+        g_scale = upstream.abs().clamp(min=1.0).unsqueeze(-1)
+        for name, got, want in (("dz", dz, rz), ("dy", dy, ry)):
+            grad_close(
+                got,
+                want,
+                dtype,
+                scale=scale,
+                ulps=ulps,
+                what=f"{name} {what}",
+                upstream_scale=g_scale,
+            )
 
 
 @pytest.mark.parametrize("direction", ["pi||ref", "ref||pi"])
@@ -144,8 +171,9 @@ def test_labels_entropy_and_all_gradients(direction):
     rz, ry = torch.autograd.grad(
         sum((t * w).sum() for t, w in zip(parts, g, strict=True)), [zr, yr]
     )
-    grad_close(dz, rz, torch.float32, ulps=0.5, what="dz")
-    grad_close(dy, ry, torch.float32, ulps=0.5, what="dy")
+    scale = arithmetic_scale(z, y, 1.3, sum(w.abs() for w in g))
+    grad_close(dz, rz, torch.float32, scale=scale, ulps=0.5, what="dz")
+    grad_close(dy, ry, torch.float32, scale=scale, ulps=0.5, what="dy")
     assert float(dz[0, 1].abs().max()) == 0.0 and float(dy[0, 1].abs().max()) == 0.0
 
 
@@ -197,7 +225,8 @@ def test_masked_vocabulary_entries_are_outside_the_support():
         (rz,) = torch.autograd.grad(ref.sum(), [small])
         assert torch.isfinite(kl).all() and torch.isfinite(dz).all()
         assert_close(kl, ref, atol=2e-5, rtol=2e-5, what=direction)
-        grad_close(dz[:, :8], rz, torch.float32, ulps=1, what="dz")
+        scale = arithmetic_scale(z[:, :8], y[:, :8])
+        grad_close(dz[:, :8], rz, torch.float32, scale=scale, ulps=1, what="dz")
         assert float(dz[:, 8:].abs().max()) == 0.0
 
 
@@ -300,7 +329,7 @@ def test_no_grad_and_ref_only_gradient():
     (dy,) = torch.autograd.grad(kl.sum(), [y])
     yr = y.detach().double().requires_grad_()
     (ry,) = torch.autograd.grad(reference(z, yr, direction="ref||pi")["kl"].sum(), [yr])
-    grad_close(dy, ry, torch.float32, ulps=1, what="dy")
+    grad_close(dy, ry, torch.float32, scale=arithmetic_scale(z, y), ulps=1, what="dy")
 
 
 # -- bad input -----------------------------------------------------------------------------------
@@ -377,5 +406,7 @@ def test_triton_backend_equals_torch_backend(direction):
     (o1, (dz1, dy1)), (o2, (dz2, dy2)) = grads["torch"], grads["triton"]
     for a, b in zip(o1, o2, strict=True):
         assert_close(b, a, atol=2e-5, rtol=2e-5, what="outputs")
-    grad_close(dz2, dz1.double(), torch.float32, ulps=2, what="dz")
-    grad_close(dy2, dy1.double(), torch.float32, ulps=2, what="dy")
+    # Both are float32 computations: twice the single-path bound.
+    scale = 2 * arithmetic_scale(z, y, 0.9, sum(w.abs() for w in g))
+    grad_close(dz2, dz1.double(), torch.float32, scale=scale.to(dz1.device), ulps=2, what="dz")
+    grad_close(dy2, dy1.double(), torch.float32, scale=scale.to(dz1.device), ulps=2, what="dy")

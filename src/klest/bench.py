@@ -6,8 +6,10 @@ Never timed tests: these write numbers, ratios against a baseline measured in th
 KL(pi||ref) summed, on the CPU. Each method runs in a fresh subprocess so its peak resident memory
 (``ru_maxrss``) is its own; the memory reported is the peak minus the resident size once the
 inputs exist, minus the returned gradient (``N V`` floats): what the method adds. Times are the
-median of repeated steps after the first (this machine's memory reclaim makes single steps vary
-by up to 10x). Methods:
+median of repeated steps after the first. Two allocator settings: glibc's default, which returns
+large freed blocks to the kernel so every step faults fresh pages in (on this VM a single step can
+then vary by up to 10x), and a cached heap (``MALLOC_MMAP_MAX_=0``, as jemalloc / tcmalloc behave).
+Methods:
 
 * ``naive``: ``F.kl_div(log_softmax(y), log_softmax(z), log_target=True)`` under autograd, the
   expression people write (the baseline);
@@ -23,6 +25,7 @@ Liger-Kernel's KL loss with the log_softmax it needs; and the fused-linear path'
 from __future__ import annotations
 
 import json
+import os
 import platform
 import resource
 import statistics
@@ -90,9 +93,19 @@ def _cpu_child(method: str, n: int, v: int, reps: int, threads: int) -> dict:
     }
 
 
-def _spawn(args: list[str]) -> dict:
+ALLOCATORS = {
+    "default": {},
+    # glibc keeps freed memory instead of returning it to the kernel (what jemalloc / tcmalloc,
+    # often preloaded for PyTorch on CPUs, do): no fresh pages to fault in at every step.
+    "cached": {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(2**62)},
+}
+
+
+def _spawn(args: list[str], env: dict[str, str]) -> dict:
     cmd = [sys.executable, "-m", "klest.bench", "--child", *args]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    done = subprocess.run(
+        cmd, capture_output=True, text=True, check=False, env={**os.environ, **env}
+    )
     if done.returncode != 0:
         return {"error": (done.stderr or done.stdout)[-2000:], "returncode": done.returncode}
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -101,27 +114,33 @@ def _spawn(args: list[str]) -> dict:
 def bench_vocab_cpu(
     *, sizes: list[tuple[int, int]], reps: int, threads: int, progress: bool = True
 ) -> dict:
-    """Time and added peak memory of every CPU method at each ``(N, V)``, ratios to naive."""
+    """Time and added peak memory of every CPU method at each ``(N, V)`` under each allocator
+    setting, with ratios to naive under the same setting."""
     rows = []
     for n, v in sizes:
-        results = {}
-        for method in CPU_METHODS:
-            if progress:
-                print(f"vocab-cpu N={n} V={v} {method} ...", file=sys.stderr, flush=True)
-            results[method] = _spawn([method, str(n), str(v), str(reps), str(threads)])
-        base = results["naive"]
-        for r in results.values():
-            if "error" in r or "error" in base:
-                continue
-            r["time_vs_naive"] = r["seconds"] / base["seconds"]
-            r["memory_vs_naive"] = r["added_beyond_gradient_bytes"] / max(
-                base["added_beyond_gradient_bytes"], 1
+        for allocator, env in ALLOCATORS.items():
+            results = {}
+            for method in CPU_METHODS:
+                if progress:
+                    print(f"vocab-cpu N={n} V={v} {allocator} {method} ...", file=sys.stderr)
+                args = [method, str(n), str(v), str(reps), str(threads)]
+                results[method] = _spawn(args, env)
+            base = results["naive"]
+            for r in results.values():
+                if "error" in r or "error" in base:
+                    continue
+                r["time_vs_naive"] = r["seconds"] / base["seconds"]
+                r["memory_vs_naive"] = r["added_beyond_gradient_bytes"] / max(
+                    base["added_beyond_gradient_bytes"], 1
+                )
+            rows.append(
+                {"N": n, "V": v, "dtype": "float32", "allocator": allocator, "results": results}
             )
-        rows.append({"N": n, "V": v, "dtype": "float32", "results": results})
     return {
         "benchmark": "vocab-cpu",
         "what": "forward + backward of the per-position exact KL(pi||ref), summed",
         "machine": _machine(threads),
+        "allocators": ALLOCATORS,
         "cases": rows,
     }
 
@@ -139,16 +158,17 @@ def _machine(threads: int) -> dict:
 
 def format_vocab_cpu(report: dict) -> str:
     lines = [
-        "| N | V | method | time (s) | x naive | added memory (MiB) | x naive |",
-        "|---|---|---|---|---|---|---|",
+        "| N | V | allocator | method | time (s) | x naive | added memory (MiB) | x naive |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for case in report["cases"]:
+        head = f"| {case['N']} | {case['V']} | {case['allocator']} |"
         for method, r in case["results"].items():
             if "error" in r:
-                lines.append(f"| {case['N']} | {case['V']} | {method} | failed: see JSON | | | |")
+                lines.append(f"{head} {method} | failed: see the JSON | | | |")
                 continue
             lines.append(
-                f"| {case['N']} | {case['V']} | {method} | {r['seconds']:.3f} | "
+                f"{head} {method} | {r['seconds']:.3f} | "
                 f"{r.get('time_vs_naive', float('nan')):.2f} | "
                 f"{r['added_beyond_gradient_bytes'] / 2**20:.0f} | "
                 f"{r.get('memory_vs_naive', float('nan')):.3f} |"

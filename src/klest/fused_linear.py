@@ -55,6 +55,7 @@ class _HiddenPlan:
     want_entropy: bool
     backend: str
     chunk: int
+    direction: str
 
 
 def _linear(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
@@ -88,6 +89,7 @@ class _HiddenKL(torch.autograd.Function):
                 want_entropy=plan.want_entropy,
                 backend=plan.backend,
                 chunk=z_c.shape[0],
+                want_kl_ref_pi=plan.direction == "ref||pi",
             )
             out.index_copy_(1, idx, torch.stack(stats).to(dtype))
         stats = KLRowStats(*out.unbind(0))
@@ -308,6 +310,7 @@ def kl_from_hidden(
         want_entropy=return_entropy,
         backend=resolved,
         chunk=chunk_rows(per_row, h.device, memory_budget, chunk_size),
+        direction=direction,
     )
     outputs = _HiddenKL.apply(
         h, weight, bias, h_ref, w_ref, bias_ref, y, pos.labels, pos.rows, plan

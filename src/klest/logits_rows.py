@@ -29,7 +29,7 @@ another vocabulary shard (its ``-q`` / ``-p`` part of the gradient only).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -126,41 +126,61 @@ def _rowdot(u: Tensor, w: Tensor) -> Tensor:
     return torch.bmm(u.unsqueeze(1), w.unsqueeze(2)).view(-1)
 
 
-def _softmax_stats(a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """``(q, m, log s)`` with ``q = softmax(a)``, ``m = max a``, ``s = sum exp(a - m)``."""
-    m = a.amax(-1, keepdim=True)
-    q = torch.sub(a, m).exp_()
-    s = q.sum(-1, keepdim=True)
-    return q.div_(s), m.view(-1), s.log_().view(-1)
+def _lse(a: Tensor, la: Tensor) -> Tensor:
+    """``logsumexp(a)`` from ``la = log_softmax(a)``: ``max a - la[argmax]`` (no extra exp)."""
+    m, arg = a.max(-1, keepdim=True)
+    return (m - la.gather(1, arg)).view(-1)
 
 
-def _label_logps(a: Tensor, lse: Tensor, labels: Tensor | None) -> Tensor:
+def _label_logps(la: Tensor, labels: Tensor | None) -> Tensor:
+    """``la[r, labels[r]]`` where the label is inside ``[0, V)``, else 0."""
     if labels is None:
-        return torch.zeros_like(lse)
-    inside = (labels >= 0) & (labels < a.shape[1])
+        return la.new_zeros(la.shape[0])
+    inside = (labels >= 0) & (labels < la.shape[1])
     col = torch.where(inside, labels, 0).unsqueeze(1)
-    return torch.where(inside, a.gather(1, col).view(-1) - lse, 0.0)
+    return torch.where(inside, la.gather(1, col).view(-1), 0.0)
 
 
-def _fast_chunk(a: Tensor, b: Tensor, labels: Tensor | None, want_entropy: bool) -> tuple:
-    """Stats of rows without ``-inf`` entries; also returns ``q``, ``p``, ``d`` for the stash."""
-    q, m_a, log_s_a = _softmax_stats(a)
-    p, m_b, log_s_b = _softmax_stats(b)
-    lse_a, lse_b = m_a + log_s_a, m_b + log_s_b
-    ent = log_s_a - _rowdot(q, a - m_a.unsqueeze(1)) if want_entropy else torch.zeros_like(lse_a)
-    d = torch.sub(a, b)
-    shift = lse_a - lse_b
-    qd, pd = _rowdot(q, d), _rowdot(p, d)
-    stats = (
-        lse_a,
-        lse_b,
-        (qd - shift).clamp_(min=0.0),
-        (shift - pd).clamp_(min=0.0),
-        ent.clamp_(min=0.0),
-        _label_logps(a, lse_a, labels),
-        _label_logps(b, lse_b, labels),
-    )
-    return stats, q, p, d, qd, pd
+@dataclass(frozen=True)
+class _Want:
+    """What a chunk computes besides ``KL(q||p)``: ``p``, ``KL(p||q)``, the entropy."""
+
+    p: bool
+    kl_ba: bool
+    entropy: bool
+
+
+@dataclass
+class _Chunk:
+    """One chunk's statistics and the tensors its KL gradients are made of.
+
+    ``d = log q - log p``; ``stats[2] = sum q d = KL(q||p)``, ``stats[3] = -sum p d = KL(p||q)``
+    (0 when not wanted; ``p`` is None when not needed).
+    """
+
+    stats: tuple[Tensor, ...]
+    q: Tensor
+    p: Tensor | None
+    d: Tensor
+    masked: bool
+
+    def grad_a(self, direction: str, out: Tensor) -> Tensor:
+        """Per-unit gradient of the KL named by ``direction`` w.r.t. ``a``, written in ``out``:
+        ``q (d - KL(q||p))`` or ``q - p``."""
+        q, p, d = self.q, self.p, self.d
+        if direction == "ref||pi":
+            return torch.sub(q, p, out=out)
+        torch.sub(d, self.stats[2].unsqueeze(1), out=out).mul_(q)
+        return out.masked_fill_(q == 0, 0.0) if self.masked else out
+
+    def grad_b(self, direction: str, out: Tensor) -> Tensor:
+        """The same w.r.t. ``b``: ``p - q``, or ``-p (d + KL(p||q))``."""
+        q, p, d = self.q, self.p, self.d
+        assert p is not None
+        if direction == "pi||ref":
+            return torch.sub(p, q, out=out)
+        torch.sub(-self.stats[3].unsqueeze(1), d, out=out).mul_(p)
+        return out.masked_fill_(p == 0, 0.0) if self.masked else out
 
 
 def _plogq(w: Tensor, x: Tensor) -> Tensor:
@@ -168,47 +188,70 @@ def _plogq(w: Tensor, x: Tensor) -> Tensor:
     return torch.where(w > 0, w * x, 0.0).sum(-1)
 
 
-def _masked_chunk(a: Tensor, b: Tensor, labels: Tensor | None, want_entropy: bool) -> tuple:
-    """Stats of rows with ``-inf`` entries: ``0 log 0 = 0``; KL ``+inf`` off the other's support."""
-    lse_a, lse_b = torch.logsumexp(a, -1), torch.logsumexp(b, -1)
-    # A row with nothing but -inf (possible on one shard of a vocabulary-parallel row) has
-    # log-probs -inf, not NaN; NaN / +inf inputs give a non-finite lse that the caller rejects.
-    la = a - torch.where(torch.isfinite(lse_a), lse_a, 0.0).unsqueeze(1)
-    lb = b - torch.where(torch.isfinite(lse_b), lse_b, 0.0).unsqueeze(1)
-    q, p = la.exp(), lb.exp()
-    d = torch.where((q > 0) | (p > 0), la - lb + (lse_a - lse_b).unsqueeze(1), 0.0)
-    shift = lse_a - lse_b
-    qd, pd = _plogq(q, d), _plogq(p, d)
+def _chunk_stats(
+    a: Tensor, b: Tensor, labels: Tensor | None, want: _Want, *, masked: bool
+) -> _Chunk:
+    """Statistics of a chunk of rows (module docstring).
+
+    ``masked=False`` is the fast path for rows without ``-inf`` entries (a row with one gets a
+    non-finite statistic there and is redone with ``masked=True``): ``0 log 0 = 0``, and a KL
+    is ``+inf`` where its first distribution has mass outside the second's support.
+    """
+    if masked:
+        lse_a, lse_b = torch.logsumexp(a, -1), torch.logsumexp(b, -1)
+        # A row with nothing but -inf (possible on one shard of a vocabulary-parallel row) has
+        # log-probs -inf, not NaN; NaN / +inf inputs give a non-finite lse that the caller rejects.
+        la = a - torch.where(torch.isfinite(lse_a), lse_a, 0.0).unsqueeze(1)
+        lb = b - torch.where(torch.isfinite(lse_b), lse_b, 0.0).unsqueeze(1)
+    else:
+        la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+        lse_a, lse_b = _lse(a, la), _lse(b, lb)
+    logp_label, logp_ref_label = _label_logps(la, labels), _label_logps(lb, labels)
+    q = la.exp()
+    p = lb.exp() if want.p else None
+    zeros = torch.zeros_like(lse_a)
+    ent = zeros
+    if want.entropy:
+        ent = -(_plogq(q, la) if masked else _rowdot(q, la))
+    if masked:
+        d = torch.where((q > 0) | (lb > float("-inf")), la - lb, 0.0)
+        kl_ab = _plogq(q, d)
+        kl_ba = -_plogq(lb.exp(), d) if want.kl_ba else zeros
+    else:
+        d = lb.neg_().add_(la)  # la - lb, in lb's buffer
+        kl_ab = _rowdot(q, d)
+        kl_ba = -_rowdot(p, d) if want.kl_ba else zeros
     stats = (
         lse_a,
         lse_b,
-        torch.where(torch.isinf(qd), qd, qd - shift).clamp_(min=0.0),
-        torch.where(torch.isinf(pd), -pd, shift - pd).clamp_(min=0.0),
-        (-_plogq(q, la)).clamp_(min=0.0) if want_entropy else torch.zeros_like(lse_a),
-        _label_logps(a, lse_a, labels),
-        _label_logps(b, lse_b, labels),
+        kl_ab.clamp_(min=0.0),
+        kl_ba.clamp_(min=0.0),
+        ent.clamp_(min=0.0),
+        logp_label,
+        logp_ref_label,
     )
-    return stats, q, p, d, qd, pd
+    return _Chunk(stats, q, p, d, masked)
 
 
-def _kl_grads(q: Tensor, p: Tensor, d: Tensor, qd: Tensor, pd: Tensor, direction: str):
-    """Per-unit gradients of one KL w.r.t. ``a`` and ``b`` (each a function producing it)."""
-    if direction == "pi||ref":
-        return (
-            lambda: torch.where(q > 0, q * (d - qd.unsqueeze(1)), 0.0),
-            lambda: p - q,
-        )
-    return (
-        lambda: q - p,
-        lambda: torch.where(p > 0, p * (pd.unsqueeze(1) - d), 0.0),
-    )
+def _work_dtype(t: Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _stash_fast(q: Tensor, p: Tensor, d: Tensor, qd: Tensor, pd: Tensor, direction: str):
-    """As :func:`_kl_grads` for rows without ``-inf``: no masking, in place where possible."""
-    if direction == "pi||ref":
-        return lambda: d.sub_(qd.unsqueeze(1)).mul_(q), lambda: torch.sub(p, q)
-    return lambda: torch.sub(q, p), lambda: d.sub_(pd.unsqueeze(1)).mul_(p).neg_()
+def _write_rows(
+    target: Tensor,
+    sel: slice | Tensor,
+    make: Callable[[Tensor], object],
+    shape: torch.Size,
+    inv_tau: float,
+) -> None:
+    """``target[sel] = make(buffer) / tau``, computed straight into ``target`` when it can be."""
+    direct = isinstance(sel, slice) and target.dtype == _work_dtype(target)
+    out = target[sel] if direct else torch.empty(shape, dtype=_work_dtype(target))
+    make(out)
+    if inv_tau != 1.0:
+        out.mul_(inv_tau)
+    if not direct:
+        _put_rows(target, sel, out)
 
 
 def row_stats(
@@ -221,57 +264,59 @@ def row_stats(
     want_entropy: bool,
     backend: str,
     chunk: int,
+    want_kl_ref_pi: bool = True,
     stash: str | None = None,
     stash_z: Tensor | None = None,
     stash_y: Tensor | None = None,
 ) -> KLRowStats:
     """Per-row statistics of the selected rows (``rows``: int indices, or None for all).
 
-    Rows not selected get 0 statistics. With ``stash`` (``"pi||ref"`` / ``"ref||pi"``; PyTorch
-    backend) the per-unit gradients of that KL w.r.t. ``z`` and ``y`` are written into the
-    selected rows of ``stash_z`` / ``stash_y`` (either may be None), already divided by tau.
-    Rows whose logits have NaN, ``+inf`` or nothing but ``-inf`` get a non-finite ``lse``; the
-    caller rejects them.
+    Rows not selected get 0 statistics. ``want_kl_ref_pi=False`` leaves ``KL(ref||pi)`` at 0
+    unless the stash needs it (PyTorch backend; saves two passes when only ``KL(pi||ref)`` is
+    used). With
+    ``stash`` (``"pi||ref"`` / ``"ref||pi"``; PyTorch backend) the per-unit gradients of that KL
+    w.r.t. ``z`` and ``y`` are written into the selected rows of ``stash_z`` / ``stash_y``
+    (either may be None), already divided by tau. Rows whose logits have NaN, ``+inf`` or
+    nothing but ``-inf`` get a non-finite ``lse``; the caller rejects them.
     """
     n, _ = z.shape
-    out = torch.zeros(
-        7, n, dtype=torch.float64 if z.dtype == torch.float64 else torch.float32, device=z.device
-    )
+    out = torch.zeros(7, n, dtype=_work_dtype(z), device=z.device)
     if backend == "triton":
         stats = kl_logits_forward(z, y, temperature=1.0 / inv_tau, labels=labels)
         out.copy_(torch.stack(stats))
         zero_rows_except(out.T, rows)
         return KLRowStats(*out.unbind(0))
 
+    kl_ba = want_kl_ref_pi or stash == "ref||pi"
+    want = _Want(p=kl_ba or stash_y is not None, kl_ba=kl_ba, entropy=want_entropy)
     dtype = out.dtype
     for sel in _chunks(n, rows, chunk):
         a = _scaled(_take(z, sel), inv_tau, dtype)
         b = _scaled(_take(y, sel), inv_tau, dtype)
         lab = None if labels is None else _take(labels, sel)
-        stats, q, p, d, qd, pd = _fast_chunk(a, b, lab, want_entropy)
-        grads = _stash_fast(q, p, d, qd, pd, stash) if stash else None
-        bad = ~torch.isfinite(stats[0] + stats[1] + stats[2] + stats[3] + stats[4])
+        fast = _chunk_stats(a, b, lab, want, masked=False)
+        bad = ~torch.isfinite(sum(fast.stats[:5]))
+        slow = idx = None
+        stats = fast.stats
         if bool(bad.any()):
             idx = bad.nonzero().view(-1)
-            sub = _masked_chunk(a[idx], b[idx], None if lab is None else lab[idx], want_entropy)
-            stats = tuple(s.index_copy(0, idx, t) for s, t in zip(stats, sub[0], strict=True))
-            if stash:
-                grads = _patched(grads, idx, _kl_grads(*sub[1:], stash))
+            sub_lab = None if lab is None else lab[idx]
+            slow = _chunk_stats(a[idx], b[idx], sub_lab, want, masked=True)
+            stats = tuple(s.index_copy(0, idx, t) for s, t in zip(stats, slow.stats, strict=True))
         _put(out, sel, torch.stack(stats))
-        if stash:
-            for target, make in zip((stash_z, stash_y), grads, strict=True):
-                if target is not None:
-                    _put_rows(target, sel, make().mul_(inv_tau))
+        if not stash:
+            continue
+        for target, grad in ((stash_z, _Chunk.grad_a), (stash_y, _Chunk.grad_b)):
+            if target is None:
+                continue
+
+            def make(o, grad=grad, fast=fast, slow=slow, idx=idx):
+                grad(fast, stash, o)
+                if slow is not None:
+                    o.index_copy_(0, idx, grad(slow, stash, torch.empty_like(o[: len(idx)])))
+
+            _write_rows(target, sel, make, a.shape, inv_tau)
     return KLRowStats(*out.unbind(0))
-
-
-def _patched(grads, idx: Tensor, masked):
-    """Gradient makers whose rows ``idx`` come from the masked formula."""
-
-    def patch(make_all, make_sub):
-        return lambda: make_all().index_copy_(0, idx, make_sub())
-
-    return tuple(patch(f, g) for f, g in zip(grads, masked, strict=True))
 
 
 def _put(out: Tensor, sel: slice | Tensor, values: Tensor) -> None:

@@ -79,6 +79,7 @@ class RowPlan:
     want_entropy: bool
     backend: str
     chunk: int
+    direction: str | None = None  # the KL used; None: both
     stash: str | None = None
     merge: Callable[[KLRowStats, Tensor | None], KLRowStats] | None = None
 
@@ -100,6 +101,7 @@ class _RowsKL(torch.autograd.Function):
             want_entropy=plan.want_entropy,
             backend=plan.backend,
             chunk=plan.chunk,
+            want_kl_ref_pi=plan.direction != "pi||ref",
             stash=plan.stash,
             stash_z=stash_z,
             stash_y=stash_y,
@@ -323,6 +325,7 @@ def plan_for(
         want_entropy=pos.want_entropy,
         backend=resolved,
         chunk=chunk_rows(workspace_bytes_per_row(z.shape[-1]), z.device, memory_budget, chunk_size),
+        direction=pos.direction,
         stash=pos.direction if stash else None,
     )
 
