@@ -3,28 +3,28 @@ r"""Per-row statistics of two logit tensors and their gradients: chunked PyTorch
 The two primitives behind every exact-from-logits path of klest (:mod:`klest.vocab`,
 :mod:`klest.fused_linear`, :mod:`klest.distributed`). For pi's logits ``z`` and ref's logits
 ``y`` (``[N, V]``), :math:`a = z/\tau`, :math:`b = y/\tau`, :math:`q = \mathrm{softmax}(a)`,
-:math:`p = \mathrm{softmax}(b)`, :math:`d = a - b`:
+:math:`p = \mathrm{softmax}(b)`, :math:`d = \log q - \log p`:
 
 * :func:`row_stats` gives per row (a :class:`~klest.kernels.KLRowStats`) the log-normalizers,
-  :math:`KL(q\|p) = \sum_v q_v d_v - (\mathrm{lse}_a - \mathrm{lse}_b)`,
-  :math:`KL(p\|q) = (\mathrm{lse}_a - \mathrm{lse}_b) - \sum_v p_v d_v`,
-  :math:`H(q) = \log s_a - \sum_v q_v (a_v - m_a)` and the label log-probs; optionally it also
-  writes the gradient of one KL in the same pass (*stash*: the caller then only scales it);
-* :func:`row_grads` recomputes ``q`` and ``p`` from the saved statistics and gives
+  :math:`KL(q\|p) = \sum_v q_v d_v`, :math:`KL(p\|q) = -\sum_v p_v d_v`,
+  :math:`H(q) = -\sum_v q_v \log q_v` and the label log-probs; optionally it also writes the
+  gradient of one KL in the same pass (the *stash*: the caller then only scales it);
+* :func:`row_grads` recomputes ``q`` and ``p`` from the saved log-normalizers and gives
 
   .. math::
-      \partial/\partial z = \tfrac{1}{\tau}\big[g_1\, q\odot(d - \textstyle\sum q d)
-          + g_2 (q - p) - g_3\, q\odot(a - \mathrm{lse}_a + H) + g_4 (e_l - q)\big], \\
+      \partial/\partial z = \tfrac{1}{\tau}\big[g_1\, q\odot(d - KL(q\|p))
+          + g_2 (q - p) - g_3\, q\odot(\log q + H) + g_4 (e_l - q)\big], \\
       \partial/\partial y = \tfrac{1}{\tau}\big[g_1 (p - q)
-          - g_2\, p\odot(d - \textstyle\sum p d) + g_5 (e_l - p)\big]
+          - g_2\, p\odot(d + KL(p\|q)) + g_5 (e_l - p)\big]
 
-  (DESIGN.md section 3), where :math:`\sum q d = KL(q\|p) + \mathrm{lse}_a - \mathrm{lse}_b`.
+  for upstream gradients :math:`g_1..g_5` of the five outputs (DESIGN.md section 3).
 
-The PyTorch path walks row chunks, so no more than a few chunk-sized float32 buffers exist at once;
-rows with ``-inf`` entries (a masked vocabulary) go through a slower masked formula with
-``0 log 0 = 0``. On CUDA the Triton kernels of :mod:`klest.kernels` do the same in one pass each.
-Labels follow the kernels' convention: a label ``< 0`` is ignored, a label ``>= V`` is a token of
-another vocabulary shard (its ``-q`` / ``-p`` part of the gradient only).
+The PyTorch path walks row chunks (``log_softmax`` in float32 on each), so no more than a few
+chunk-sized buffers exist at once; rows with ``-inf`` entries (a masked vocabulary) go through a
+slower masked formula with ``0 log 0 = 0``. On CUDA the Triton kernels of :mod:`klest.kernels`
+do the same in one pass each. Labels follow the kernels' convention: a label ``< 0`` is ignored,
+a label ``>= V`` is a token of another vocabulary shard (its ``-q`` / ``-p`` part of the
+gradient only).
 """
 
 from __future__ import annotations
@@ -218,7 +218,7 @@ def _chunk_stats(
         kl_ab = _plogq(q, d)
         kl_ba = -_plogq(lb.exp(), d) if want.kl_ba else zeros
     else:
-        d = lb.neg_().add_(la)  # la - lb, in lb's buffer
+        d = torch.sub(la, lb, out=lb)  # in lb's buffer
         kl_ab = _rowdot(q, d)
         kl_ba = -_rowdot(p, d) if want.kl_ba else zeros
     stats = (
@@ -352,7 +352,7 @@ def _grads_chunk(
     la = a - lse_a
     q = la.exp()
     p = torch.sub(b, lse_b).exp_()
-    # log q - log p = d - (lse_a - lse_b), so d - sum q d = (la - lb) - KL(q||p).
+    # d = log q - log p (0 outside both supports)
     lr = torch.where((q > 0) | (p > 0), la - (b - lse_b), 0.0)
     da = db = None
     if need_z:
