@@ -141,18 +141,26 @@ def check_log_probs(
                 )
 
 
+def check_int_ids(
+    name: str, ids: object, shape: torch.Size, device: torch.device, *, of: str
+) -> Tensor:
+    """An integer tensor of ``shape`` on ``device`` (``of`` says what each id belongs to)."""
+    if not isinstance(ids, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of integer ids, got {type(ids).__name__}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integer ids, got dtype {ids.dtype}")
+    if ids.shape != shape:
+        raise ValueError(
+            f"{name} has shape {tuple(ids.shape)} but {of} have shape {tuple(shape)}; "
+            f"give one id per entry"
+        )
+    if ids.device != device:
+        raise ValueError(f"{name} is on {ids.device} but {of} are on {device}")
+    return ids
+
+
 def check_group(group: object, shape: torch.Size, device: torch.device) -> Tensor:
     """Integer group ids, one per row of log-probs shaped ``shape``; returned flat ``[rows]``."""
     rows_shape = shape[:-1] if len(shape) >= 2 else shape
-    if not isinstance(group, Tensor):
-        raise TypeError(f"group must be a torch.Tensor of integer ids, got {type(group).__name__}")
-    if group.is_floating_point() or group.is_complex() or group.dtype == torch.bool:
-        raise TypeError(f"group must hold integer ids, got dtype {group.dtype}")
-    if group.shape != rows_shape:
-        raise ValueError(
-            f"group has shape {tuple(group.shape)} but the log-probs of shape {tuple(shape)} have "
-            f"rows of shape {tuple(rows_shape)}; give one id per row (sequence)"
-        )
-    if group.device != device:
-        raise ValueError(f"group is on {group.device} but the log-probs are on {device}")
-    return group.reshape(-1)
+    of = f"the rows (sequences) of the log-probs of shape {tuple(shape)}"
+    return check_int_ids("group", group, rows_shape, device, of=of).reshape(-1)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from klest._checks import check_choice, check_direction, check_mask
+from klest._checks import check_choice, check_direction, check_int_ids, check_mask
 from klest.aggregation import REDUCTIONS, aggregate
 from klest.kernels import KLRowStats
 from klest.logits_rows import (
@@ -186,17 +186,7 @@ def check_labels(
     labels: object, lead: torch.Size, device: torch.device, *, vocab_size: int, ignore_index: int
 ) -> Tensor:
     """Token ids, one per position, in ``[0, vocab_size)`` or ``ignore_index``; returned flat."""
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"labels must be a torch.Tensor of token ids, got {type(labels).__name__}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must hold integer token ids, got dtype {labels.dtype}")
-    if labels.shape != lead:
-        raise ValueError(
-            f"labels has shape {tuple(labels.shape)} but the logits have positions of shape "
-            f"{tuple(lead)}; give one token id per position"
-        )
-    if labels.device != device:
-        raise ValueError(f"labels is on {labels.device} but the logits are on {device}")
+    labels = check_int_ids("labels", labels, lead, device, of="the logits' positions")
     flat = labels.reshape(-1).to(torch.int64)
     outside = ((flat < 0) | (flat >= vocab_size)) & (flat != ignore_index)
     if bool(outside.any()):
