@@ -286,6 +286,55 @@ def test_large_logit_ranges_do_not_overflow():
     check_forward(stats, reference(z, y, 0.7), "large logits")
 
 
+@needs_triton
+@pytest.mark.parametrize("jump", [0.0, 20.0, 60.0, 85.0, 90.0, 300.0])
+def test_maximum_far_above_the_first_block(jump):
+    """The fast loop's offset is the first block's maximum: a later maximum up to ~87 nats above it
+    keeps the fast loop (terms up to 2^126); more overflows and the row is redone carefully. Both
+    must give the reference, for pi's and ref's logits, in the main loop and the partial block."""
+    z, y = logits(4, 200, torch.float32, seed=19)
+    z[0, 100] += jump  # a full block after the first
+    y[1, 70] += jump
+    z[2, 199] += jump  # the partial last block
+    y[2, 198] += jump
+    z[3, 64:] += jump  # everything after the first block
+    stats = kl_logits_forward(*to_dev(z, y), block_v=64)
+    # The offset can sit up to ~126 log2 units below the maximum; the sums' float32 logs then
+    # carry ~126 * 2^-24 ~ 1e-5 of rounding (scaled by ln 2): about FWD_ATOL.
+    check_forward(stats, reference(z, y), f"jump {jump}")
+
+
+WANTS = [(a, b, e) for a in (False, True) for b in (False, True) for e in (False, True)]
+
+
+@needs_triton
+@pytest.mark.parametrize(("ab", "ba", "ent"), WANTS)
+def test_sums_not_wanted_are_zero_and_the_rest_unchanged(ab, ba, ent):
+    """Each subset of the three sums, on rows that take the fast loop and rows that leave it
+    (-inf entries, which must be caught whichever sums are accumulated, and a late maximum)."""
+    z, y, _, _ = masked_rows(torch.float32)
+    z2, y2 = logits(3, 200, torch.float32, seed=23)
+    z2[2, 150] += 200.0
+    z, y = torch.cat([z, z2]), torch.cat([y, y2])
+    labels = torch.arange(len(z)) * 13 % 200
+    stats = kl_logits_forward(
+        *to_dev(z, y),
+        labels=labels.to(DEV),
+        want_kl_pi_ref=ab,
+        want_kl_ref_pi=ba,
+        want_entropy=ent,
+        block_v=64,
+    )
+    ref = reference(z, y, labels=labels)
+    wanted = {"kl_pi_ref": ab, "kl_ref_pi": ba, "entropy": ent}
+    for name in FIELDS:
+        got = getattr(stats, name)
+        if wanted.get(name, True):
+            assert_close(got, ref[name], atol=FWD_ATOL, rtol=FWD_RTOL, what=name)
+        else:
+            assert (got == 0).all(), name
+
+
 # ----------------------------------------------------------------------------- -inf support
 
 
@@ -583,7 +632,8 @@ from klest.kernels import _kl_logits_triton as kern
 ints = dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "N", "V"), "i32")
 fwd = {"z_ptr": "*bf16", "y_ptr": "*fp16", "label_ptr": "*i64", "out_ptr": "*fp32",
        **{k: ints[k] for k in ("stride_z", "stride_y", "N", "V")}, "scale": "fp32",
-       "HAS_LABELS": "constexpr", "BLOCK_V": "constexpr"}
+       "HAS_LABELS": "constexpr", "WANT_AB": "constexpr", "WANT_BA": "constexpr",
+       "WANT_ENT": "constexpr", "BLOCK_V": "constexpr"}
 flags = ("HAS_G1", "HAS_G2", "HAS_G3", "HAS_G4", "HAS_G5", "NEED_DZ", "NEED_DY", "USE_Z", "USE_Y")
 rows = ("lse_a_ptr", "lse_b_ptr", "kl_ab_ptr", "kl_ba_ptr", "ent_ptr",
         "g1_ptr", "g2_ptr", "g3_ptr", "g4_ptr", "g5_ptr")
@@ -596,7 +646,8 @@ every = dict.fromkeys(flags, True)
 pi_only = {**dict.fromkeys(flags, False), "HAS_G3": True, "HAS_G4": True, "NEED_DZ": True,
            "USE_Z": True}
 ref_only = {**dict.fromkeys(flags, False), "HAS_G5": True, "NEED_DY": True, "USE_Y": True}
-jobs = [(kern.kl_logits_fwd_kernel, fwd, {"HAS_LABELS": h, "BLOCK_V": 2048}) for h in (True, False)]
+jobs = [(kern.kl_logits_fwd_kernel, fwd, {"HAS_LABELS": h, "WANT_AB": True, "WANT_BA": h,
+                                           "WANT_ENT": h, "BLOCK_V": 1024}) for h in (True, False)]
 for c in (every, pi_only, ref_only):
     jobs.append((kern.kl_logits_bwd_kernel, bwd, {**c, "BLOCK_V": 1024}))
 for fn, sig, const in jobs:

@@ -90,6 +90,7 @@ class _HiddenKL(torch.autograd.Function):
                 backend=plan.backend,
                 chunk=z_c.shape[0],
                 want_kl_ref_pi=plan.direction == "ref||pi",
+                want_kl_pi_ref=plan.direction == "pi||ref",
             )
             out.index_copy_(1, idx, torch.stack(stats).to(dtype))
         stats = KLRowStats(*out.unbind(0))

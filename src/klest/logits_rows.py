@@ -265,6 +265,7 @@ def row_stats(
     backend: str,
     chunk: int,
     want_kl_ref_pi: bool = True,
+    want_kl_pi_ref: bool = True,
     stash: str | None = None,
     stash_z: Tensor | None = None,
     stash_y: Tensor | None = None,
@@ -273,20 +274,31 @@ def row_stats(
 
     Rows not selected get 0 statistics. ``want_kl_ref_pi=False`` leaves ``KL(ref||pi)`` at 0
     unless the stash needs it (PyTorch backend; saves two passes when only ``KL(pi||ref)`` is
-    used). With
+    used); ``want_kl_pi_ref=False`` lets the Triton backend skip ``KL(pi||ref)`` (0; the PyTorch
+    backend computes it anyway). With
     ``stash`` (``"pi||ref"`` / ``"ref||pi"``; PyTorch backend) the per-unit gradients of that KL
     w.r.t. ``z`` and ``y`` are written into the selected rows of ``stash_z`` / ``stash_y``
     (either may be None), already divided by tau. Rows whose logits have NaN, ``+inf`` or
     nothing but ``-inf`` get a non-finite ``lse``; the caller rejects them.
     """
     n, _ = z.shape
-    out = torch.zeros(7, n, dtype=_work_dtype(z), device=z.device)
     if backend == "triton":
-        stats = kl_logits_forward(z, y, temperature=1.0 / inv_tau, labels=labels)
-        out.copy_(torch.stack(stats))
+        stats = kl_logits_forward(
+            z,
+            y,
+            temperature=1.0 / inv_tau,
+            labels=labels,
+            want_kl_pi_ref=want_kl_pi_ref,
+            want_kl_ref_pi=want_kl_ref_pi,
+            want_entropy=want_entropy,
+        )
+        if rows is None:  # float32 rows of the kernel's own [7, N] buffer, as they are
+            return stats
+        out = torch.stack(stats)
         zero_rows_except(out.T, rows)
         return KLRowStats(*out.unbind(0))
 
+    out = torch.zeros(7, n, dtype=_work_dtype(z), device=z.device)
     kl_ba = want_kl_ref_pi or stash == "ref||pi"
     want = _Want(p=kl_ba or stash_y is not None, kl_ba=kl_ba, entropy=want_entropy)
     dtype = out.dtype

@@ -102,6 +102,7 @@ class _RowsKL(torch.autograd.Function):
             backend=plan.backend,
             chunk=plan.chunk,
             want_kl_ref_pi=plan.direction != "pi||ref",
+            want_kl_pi_ref=plan.direction != "ref||pi",
             stash=plan.stash,
             stash_z=stash_z,
             stash_y=stash_y,
@@ -170,14 +171,17 @@ def _scale_stash(ctx, grads: tuple) -> tuple[Tensor | None, Tensor | None]:
 
 def check_rows_finite(stats: KLRowStats, rows: Tensor | None) -> None:
     """Raise if a kept row of either logits has NaN / +inf entries or nothing but -inf."""
-    for name, lse in (("logits", stats.lse_z), ("logits_ref", stats.lse_y)):
-        bad = ~torch.isfinite(lse)
-        if rows is not None:
-            bad = bad.index_select(0, rows)
-        if bool(bad.any()):
-            first = int(bad.nonzero()[0]) if rows is None else int(rows[bad.nonzero()[0]])
+    bad = ~torch.isfinite(torch.stack([stats.lse_z, stats.lse_y]))
+    if rows is not None:
+        bad = bad.index_select(1, rows)
+    if not bool(bad.any()):  # the one device synchronisation of a call
+        return
+    for name, row_bad in zip(("logits", "logits_ref"), bad, strict=True):
+        if bool(row_bad.any()):
+            at = row_bad.nonzero()[0]
+            first = int(at) if rows is None else int(rows[at])
             raise ValueError(
-                f"{name} has {int(bad.sum())} row(s) with NaN or +inf entries, or with every "
+                f"{name} has {int(row_bad.sum())} row(s) with NaN or +inf entries, or with every "
                 f"entry -inf (no distribution); first at flat row {first}. Mask such rows out"
             )
 

@@ -5,9 +5,8 @@ Notation: ``a = z / tau`` and ``b = y / tau`` are pi's and ref's scaled logits, 
 ``scale = log2(e) / tau``) so every exponential is a bare ``exp2``, and convert back to nats with
 ``ln 2`` once per row.
 
-Forward (one program per row, one pass over the vocabulary in blocks of ``BLOCK_V``). With a
-running maximum ``m`` of ``a2`` (a scalar) and per-lane running sums, rescaled by
-``alpha = 2^(m_old - m_new)`` whenever the maximum grows::
+Forward (one program per row, one pass over the vocabulary in blocks of ``BLOCK_V``), against an
+offset ``m`` of ``a2`` (and of ``b2``)::
 
     s_a = sum 2^(a2 - m_a)                      -> lse_a = ln2 (m_a + log2 s_a)
     w_a = sum 2^(a2 - m_a) (a2 - m_a)           -> H(q) = ln2 (log2 s_a - w_a / s_a)
@@ -15,18 +14,32 @@ running maximum ``m`` of ``a2`` (a scalar) and per-lane running sums, rescaled b
                                                                    - (log2 s_a - log2 s_b))
     t_b = sum 2^(b2 - m_b) (b2 - a2)            -> KL(p||q), symmetrically
 
-``w_a`` is kept relative to the running maximum (not ``sum 2^(a2 - m) a2``) so the entropy does not
-cancel two numbers of the size of the logits; when the maximum moves from ``m`` to ``m'`` it becomes
-``alpha (w_a + (m - m') s_a)``. Identical rows give ``t = 0``, equal maxima and equal sums, so both
-KLs are exactly 0.
+These hold for any offset; two loops choose it differently.
 
-Support (``-inf`` entries, also used for the lanes past ``V``): a lane with ``a = -inf`` adds
-nothing to the ``q``-weighted sums (selected out, so ``0 * inf`` never happens). A lane with ``a``
-finite and ``b = -inf`` adds ``+inf`` to ``t_a`` (or NaN, when its weight underflowed to 0 or was
-later rescaled by an ``alpha`` that underflowed); either way ``KL(q||p)`` is truly ``+inf``, so a
-non-finite ``t_a`` is reported as ``+inf``. NaN or ``+inf`` inputs make ``s`` NaN and every output
-of the row NaN. A row that is entirely ``-inf`` has no distribution (``s = 0``); the caller rejects
-such rows.
+* Fast (``_fast_sums``, tried first): ``m`` is the maximum of the row's first block, fixed for the
+  row. The loop body is then four loads-and-converts' worth of arithmetic per element pair (two
+  ``exp2``, a few fma; nothing for a sum not asked for: ``WANT_*``): no running maximum, no
+  rescaling, no cross-lane reduction, no select, and no mask outside the last block. Its largest
+  term is ``2^0 = 1`` or more, so nothing the result needs underflows; it fails only by going
+  non-finite: a term overflows (the row's maximum exceeds the first block's by ~126 / log2 e
+  nats), or the row holds ``-inf`` (``0 * -inf`` in a product), NaN or ``+inf``. The kernel
+  checks the sums and, for such a row only, runs the careful loop (a second read of that row).
+* Careful (``_careful_sums``): a running maximum ``m`` (a scalar) and per-lane running sums,
+  rescaled by ``alpha = 2^(m_old - m_new)`` whenever the maximum grows. ``w_a`` is kept relative
+  to the running maximum (not ``sum 2^(a2 - m) a2``) so the entropy does not cancel two numbers of
+  the size of the logits; when the maximum moves from ``m`` to ``m'`` it becomes
+  ``alpha (w_a + (m - m') s_a)``.
+
+Identical rows give ``t = 0``, equal offsets and equal sums, so both KLs are exactly 0 (the fast
+loop accumulates ``e (z - y)`` and scales the sum once, so ``d`` is exactly 0 there too).
+
+Support (the careful loop; ``-inf`` entries, also used for its lanes past ``V``): a lane with
+``a = -inf`` adds nothing to the ``q``-weighted sums (selected out, so ``0 * inf`` never happens).
+A lane with ``a`` finite and ``b = -inf`` adds ``+inf`` to ``t_a`` (or NaN, when its weight
+underflowed to 0 or was later rescaled by an ``alpha`` that underflowed); either way ``KL(q||p)``
+is truly ``+inf``, so a non-finite ``t_a`` is reported as ``+inf``. NaN or ``+inf`` inputs make
+``s`` NaN and every output of the row NaN. A row that is entirely ``-inf`` has no distribution
+(``s = 0``); the caller rejects such rows.
 
 Backward (grid ``rows x vocabulary blocks``; no reduction, the row statistics come from the
 forward): with ``la = a - lse_a``, ``lb = b - lse_b``,
@@ -51,26 +64,90 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
-def kl_logits_fwd_kernel(
-    z_ptr,
-    y_ptr,
-    label_ptr,
-    out_ptr,
-    stride_z,
-    stride_y,
-    N,
+def _fast_terms(
+    zf, yf, inside, m_a, m_b, scale, s_a, s_b, w_a, t_a, t_b,
+    WANT_AB: tl.constexpr, WANT_BA: tl.constexpr, WANT_ENT: tl.constexpr, MASKED: tl.constexpr,
+):  # fmt: skip
+    """One block's terms added to the fast loop's per-lane sums (``inside``: lanes < V, used only
+    when ``MASKED``; masked lanes hold 0 and get weight 0)."""
+    x_a = zf * scale - m_a
+    e_a = tl.exp2(x_a)
+    e_b = tl.exp2(yf * scale - m_b)
+    if MASKED:
+        e_a = tl.where(inside, e_a, 0.0)
+        e_b = tl.where(inside, e_b, 0.0)
+    d = zf - yf
+    if WANT_AB:
+        t_a += e_a * d
+    if WANT_BA:
+        t_b += e_b * d
+    if WANT_ENT:
+        w_a += e_a * x_a
+    return s_a + e_a, s_b + e_b, w_a, t_a, t_b
+
+
+@triton.jit
+def _fast_sums(
+    z_row,
+    y_row,
     V,
     scale,
-    HAS_LABELS: tl.constexpr,
+    WANT_AB: tl.constexpr,
+    WANT_BA: tl.constexpr,
+    WANT_ENT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """One row per program. ``out`` is a contiguous ``[7, N]`` float32 buffer."""
-    row = tl.program_id(0).to(tl.int64)
-    z_row = z_ptr + row * stride_z
-    y_row = y_ptr + row * stride_y
+    """The row's sums against a fixed offset (the first block's maxima); see the module docstring.
+
+    Returns ``(m_a, m_b, s_a, s_b, w_a, t_a, t_b)`` as scalars, in log2 units, ``t_b`` with the sign
+    of ``sum 2^(b2 - m_b) (b2 - a2)``. Non-finite sums (overflow, -inf / NaN / +inf inputs) mean
+    the caller must use :func:`_careful_sums` for this row.
+    """
+    cols = tl.arange(0, BLOCK_V)
+    first = cols < V
+    m_a = tl.max(tl.load(z_row + cols, mask=first, other=float("-inf")).to(tl.float32), axis=0)
+    m_b = tl.max(tl.load(y_row + cols, mask=first, other=float("-inf")).to(tl.float32), axis=0)
+    m_a = m_a * scale
+    m_b = m_b * scale
+    s_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s_b = tl.zeros([BLOCK_V], dtype=tl.float32)
+    w_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    t_a = tl.zeros([BLOCK_V], dtype=tl.float32)
+    t_b = tl.zeros([BLOCK_V], dtype=tl.float32)
+    v_full = V - V % BLOCK_V
+    for start in range(0, v_full, BLOCK_V):
+        zf = tl.load(z_row + start + cols).to(tl.float32)
+        yf = tl.load(y_row + start + cols).to(tl.float32)
+        s_a, s_b, w_a, t_a, t_b = _fast_terms(
+            zf, yf, first, m_a, m_b, scale, s_a, s_b, w_a, t_a, t_b,
+            WANT_AB, WANT_BA, WANT_ENT, False,
+        )  # fmt: skip
+    if v_full < V:
+        offs = v_full + cols
+        inside = offs < V
+        zf = tl.load(z_row + offs, mask=inside, other=0.0).to(tl.float32)
+        yf = tl.load(y_row + offs, mask=inside, other=0.0).to(tl.float32)
+        s_a, s_b, w_a, t_a, t_b = _fast_terms(
+            zf, yf, inside, m_a, m_b, scale, s_a, s_b, w_a, t_a, t_b,
+            WANT_AB, WANT_BA, WANT_ENT, True,
+        )  # fmt: skip
+    return (
+        m_a,
+        m_b,
+        tl.sum(s_a, axis=0),
+        tl.sum(s_b, axis=0),
+        tl.sum(w_a, axis=0),
+        tl.sum(t_a, axis=0) * scale,
+        -tl.sum(t_b, axis=0) * scale,
+    )
+
+
+@triton.jit
+def _careful_sums(z_row, y_row, V, scale, BLOCK_V: tl.constexpr):
+    """The row's sums against a running maximum, with -inf entries selected out (module
+    docstring); the same return values as :func:`_fast_sums`, every one of them computed."""
     cols = tl.arange(0, BLOCK_V)
     neg_inf = float("-inf")
-
     m_a = neg_inf
     m_b = neg_inf
     s_a = tl.zeros([BLOCK_V], dtype=tl.float32)
@@ -111,18 +188,60 @@ def kl_logits_fwd_kernel(
         t_b = t_b * alpha_b - tl.where(fin_b, e_b * d, 0.0)
         m_a = new_m_a
         m_b = new_m_b
+    return (
+        m_a,
+        m_b,
+        tl.sum(s_a, axis=0),
+        tl.sum(s_b, axis=0),
+        tl.sum(w_a, axis=0),
+        tl.sum(t_a, axis=0),
+        tl.sum(t_b, axis=0),
+    )
 
-    sum_a = tl.sum(s_a, axis=0)
-    sum_b = tl.sum(s_b, axis=0)
+
+@triton.jit
+def _finite(x):
+    return x * 0.0 == 0.0
+
+
+@triton.jit
+def kl_logits_fwd_kernel(
+    z_ptr,
+    y_ptr,
+    label_ptr,
+    out_ptr,
+    stride_z,
+    stride_y,
+    N,
+    V,
+    scale,
+    HAS_LABELS: tl.constexpr,
+    WANT_AB: tl.constexpr,
+    WANT_BA: tl.constexpr,
+    WANT_ENT: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One row per program. ``out`` is a contiguous ``[7, N]`` float32 buffer; the KLs and the
+    entropy not asked for (``WANT_*`` False) are written as 0."""
+    row = tl.program_id(0).to(tl.int64)
+    z_row = z_ptr + row * stride_z
+    y_row = y_ptr + row * stride_y
+
+    m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b = _fast_sums(
+        z_row, y_row, V, scale, WANT_AB, WANT_BA, WANT_ENT, BLOCK_V
+    )
+    ok = _finite(sum_a) & _finite(sum_b) & _finite(tot_a) & _finite(tot_b) & _finite(w_a)
+    if not ok:
+        m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b = _careful_sums(z_row, y_row, V, scale, BLOCK_V)
+
     lg_a = tl.log2(sum_a)
     lg_b = tl.log2(sum_b)
-    tot_a = tl.sum(t_a, axis=0)
-    tot_b = tl.sum(t_b, axis=0)
     lse_a = LN2 * (m_a + lg_a)
     lse_b = LN2 * (m_b + lg_b)
     nan_row = (lse_a != lse_a) | (lse_b != lse_b)
-
     common = (m_a - m_b) + (lg_a - lg_b)
+    tl.store(out_ptr + row, lse_a)
+    tl.store(out_ptr + N + row, lse_b)
     kl_ab = LN2 * (tot_a / sum_a - common)
     kl_ba = LN2 * (tot_b / sum_b + common)
     # Exact values are >= 0; clamp the rounding noise (the comparisons keep NaN as NaN).
@@ -133,14 +252,12 @@ def kl_logits_fwd_kernel(
     kl_ba = tl.where((tot_b != tot_b) | (tot_b == float("inf")), float("inf"), kl_ba)
     kl_ab = tl.where(nan_row, float("nan"), kl_ab)
     kl_ba = tl.where(nan_row, float("nan"), kl_ba)
-    entropy = LN2 * (lg_a - tl.sum(w_a, axis=0) / sum_a)
+    entropy = LN2 * (lg_a - w_a / sum_a)
     entropy = tl.where(entropy < 0.0, 0.0, entropy)
-
-    tl.store(out_ptr + row, lse_a)
-    tl.store(out_ptr + N + row, lse_b)
-    tl.store(out_ptr + 2 * N + row, kl_ab)
-    tl.store(out_ptr + 3 * N + row, kl_ba)
-    tl.store(out_ptr + 4 * N + row, entropy)
+    zero = tl.zeros_like(lse_a)
+    tl.store(out_ptr + 2 * N + row, tl.where(WANT_AB, kl_ab, zero))
+    tl.store(out_ptr + 3 * N + row, tl.where(WANT_BA, kl_ba, zero))
+    tl.store(out_ptr + 4 * N + row, tl.where(WANT_ENT, entropy, zero))
     if HAS_LABELS:
         label = tl.load(label_ptr + row)
         valid = (label >= 0) & (label < V)

@@ -2,8 +2,9 @@ r"""Exact full-vocabulary KL between two sets of logits, with Triton kernels (GP
 
 For pi's logits ``z`` and ref's logits ``y`` (both ``[N, V]``) and a temperature :math:`\tau`, with
 :math:`a = z/\tau`, :math:`b = y/\tau`, :math:`q = \mathrm{softmax}(a)` (pi) and
-:math:`p = \mathrm{softmax}(b)` (ref), one streaming pass over the vocabulary (online softmax,
-float32 accumulation) gives per row
+:math:`p = \mathrm{softmax}(b)` (ref), one streaming pass over the vocabulary (sums of
+exponentials against the first block's maximum, float32 accumulation; a row that overflows that
+offset or holds non-finite entries is re-read with a running maximum) gives per row
 
 .. math::
     KL(\pi\|ref) = \sum_v q_v (\log q_v - \log p_v), \quad
@@ -47,12 +48,11 @@ from torch import Tensor
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_BLOCK_V = 16
 _MAX_BLOCK_V = 65536
-# Default vocabulary block, with _num_warps(2048) = 8 warps: 8 elements per thread per tensor.
-# Compiled for sm_90 (ptxas -v, triton 3.9): the forward then uses ~100 registers and the backward
-# 64, with no spills, i.e. 2 forward (4 backward) programs per SM. 4096 with 16 warps gives the
-# same register count but one forward program per SM, whose per-block barriers then stall the SM;
-# 8192 spills. Untuned on hardware: re-measure on the target GPU.
-_DEFAULT_MAX_BLOCK_V = 2048
+# Default vocabulary block, with _num_warps(1024) = 4 warps: 8 elements per thread per tensor.
+# Measured on an H200 (benchmarks/gpu_tune.py, N=16384, V=128256 bf16): the backward runs at 94-95%
+# of its 3-pass roofline for blocks 1024-4096 with 2-8 warps; the forward is fastest at 1024 with
+# 4 warps (benchmarks/README.md has the numbers).
+_DEFAULT_MAX_BLOCK_V = 1024
 _MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (the backward's vocabulary blocks)
 
 
@@ -177,7 +177,7 @@ def _row_vector(name: str, t: object, n: int, device: torch.device) -> Tensor:
 
 
 def _block_v(block_v: object, v: int) -> int:
-    """The vocabulary block: the given power of two, else ``min(2048, next_pow2(V))``."""
+    """The vocabulary block: the given power of two, else ``min(1024, next_pow2(V))``."""
     if block_v is None:
         return max(_MIN_BLOCK_V, min(_DEFAULT_MAX_BLOCK_V, 1 << (v - 1).bit_length()))
     if (
@@ -208,6 +208,9 @@ def kl_logits_forward(
     *,
     temperature: float = 1.0,
     labels: Tensor | None = None,
+    want_kl_pi_ref: bool = True,
+    want_kl_ref_pi: bool = True,
+    want_entropy: bool = True,
     block_v: int | None = None,
 ) -> KLRowStats:
     r"""Both KLs, pi's entropy, the log-normalizers and label log-probs, in one pass.
@@ -216,8 +219,11 @@ def kl_logits_forward(
     :math:`p = \mathrm{softmax}(b)` (ref), each row gets :math:`\mathrm{lse}(a)`,
     :math:`\mathrm{lse}(b)`, :math:`KL(q\|p)`, :math:`KL(p\|q)`, :math:`H(q)` and
     :math:`a_l - \mathrm{lse}(a)`, :math:`b_l - \mathrm{lse}(b)` for the row's label :math:`l`.
-    The kernel reads ``z`` and ``y`` once (online softmax over vocabulary blocks, float32
-    accumulators rescaled when the running maximum grows); nothing ``V``-sized is written.
+    The kernel reads ``z`` and ``y`` once: float32 sums of ``exp`` against the maximum of the
+    row's first vocabulary block, with nothing per element but the terms the asked-for sums need.
+    A row where that fails (a later maximum ~87 nats higher overflows; ``-inf``, NaN or ``+inf``
+    entries) is detected by its non-finite sums and re-read once with a running maximum (online
+    softmax, ``-inf`` selected out). Nothing ``V``-sized is written.
 
     No gradient is recorded: :func:`kl_logits_backward` gives the gradients (``klest.vocab``
     wraps both in an ``autograd.Function``).
@@ -232,7 +238,10 @@ def kl_logits_forward(
         shard (vocab-parallel): log-probs 0 here, and in the backward only the ``-g q`` part of
         its gradient ``g (e_l - q)`` (``e_l`` lives on the shard that holds the token; pass the
         global ``lse`` in ``stats``). Single-device callers should not pass labels ``>= V``.
-      block_v: vocabulary block (power of two, >= 16); default ``min(2048, next_pow2(V))``.
+      want_kl_pi_ref, want_kl_ref_pi, want_entropy: which of the three sums to accumulate; one
+        not wanted costs nothing and is returned as 0 (the log-normalizers and label log-probs
+        are always computed).
+      block_v: vocabulary block (power of two, >= 16); default ``min(1024, next_pow2(V))``.
 
     Returns:
       :class:`KLRowStats`, every field float32 ``[N]``. KLs are ``+inf`` where one distribution
@@ -262,6 +271,9 @@ def kl_logits_forward(
             v,
             math.log2(math.e) / tau,
             HAS_LABELS=labels is not None,
+            WANT_AB=bool(want_kl_pi_ref),
+            WANT_BA=bool(want_kl_ref_pi),
+            WANT_ENT=bool(want_entropy),
             BLOCK_V=bv,
             num_warps=_num_warps(bv),
         )
