@@ -42,7 +42,7 @@ def _run_all(z, y, labels, mask, kl_fn):
     for direction in ("pi||ref", "ref||pi"):
         zz, yy = z.clone().requires_grad_(), y.clone().requires_grad_()
         out = kl_fn(zz, yy, direction=direction, labels=labels, mask=mask, return_entropy=True)
-        w = torch.arange(1.0, 7.0, dtype=out.kl.dtype).reshape(N_LEAD)
+        w = torch.arange(1.0, 7.0, dtype=out.kl.dtype, device=out.kl.device).reshape(N_LEAD)
         loss = (
             (out.kl * w).sum() + 0.3 * out.logp.sum() - 0.5 * out.logp_ref.sum() + out.entropy.sum()
         )
@@ -138,3 +138,38 @@ def test_vocab_parallel_equals_single_process(tmp_path, sizes, dtype, backend, t
 def test_needs_initialized_process_group():
     with pytest.raises(RuntimeError, match=r"torch\.distributed"):
         klest.kl_from_logits_vocab_parallel(torch.zeros(2, 3), torch.zeros(2, 3))
+
+
+def _nccl_worker(rank, store_path, out_path):
+    dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=0, world_size=1)
+    try:
+        torch.cuda.set_device(0)
+        z, y, labels, mask = (t.cuda() for t in _case_inputs(11, torch.float32))
+
+        def kl_fn(zz, yy, **kw):
+            return klest.kl_from_logits_vocab_parallel(zz, yy, vocab_size=11, **kw)
+
+        result = {"ok": [[t.cpu() for t in case] for case in _run_all(z, y, labels, mask, kl_fn)]}
+    except Exception:
+        result = {"traceback": traceback.format_exc()}
+    torch.save(result, out_path)
+    dist.destroy_process_group()
+
+
+@pytest.mark.skipif(
+    not (torch.cuda.is_available() and dist.is_nccl_available()),
+    reason="needs a CUDA GPU and NCCL (run on the GPU machine)",
+)
+def test_nccl_single_rank_runs_the_same_collectives(tmp_path):
+    """The collectives over NCCL (CUDA tensors, the Triton kernels): one rank, as one GPU allows
+    (NCCL refuses two ranks on one device); the merge must then reproduce kl_from_logits."""
+    mp.spawn(_nccl_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=1)
+    got = torch.load(tmp_path / "out")
+    assert "traceback" not in got, got.get("traceback")
+    z, y, labels, mask = (t.cuda() for t in _case_inputs(11, torch.float32))
+    expected = _run_all(z, y, labels, mask, klest.kl_from_logits)
+    for g_case, e_case in zip(got["ok"], expected, strict=True):
+        for a, e in zip(g_case, e_case, strict=True):
+            # One shard: the merge's exp/log round trip of float32 statistics, ~1e-6 relative.
+            scale = max(1.0, float(e[torch.isfinite(e)].abs().max()))
+            torch.testing.assert_close(a, e.cpu(), atol=1e-6 * scale, rtol=0, equal_nan=False)
