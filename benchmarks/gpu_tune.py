@@ -4,7 +4,8 @@ For N x V bf16 logits (default 16384 x 128256), times the forward kernel (2 read
 with only KL(pi||ref) asked for, and with all three sums) and the backward kernel for the gradient
 of KL(pi||ref) w.r.t. z (2 reads, 1 write) over vocabulary blocks and warp counts, against the copy
 bandwidth measured in the same run. Each configuration's output is checked against the library's
-default launch (a wrong launch must not win on speed).
+default launch (a wrong launch must not win on speed). Also the forward on masked vocabularies
+(``max_err`` there is the mean loop index: 0 fast, 1 a clamped re-read, 2 careful).
 
     python benchmarks/gpu_tune.py --out tune.json
 """
@@ -68,8 +69,8 @@ def main() -> None:
 
             def fwd(bv=bv, warps=warps, ab=ab, ba=ba, ent=ent):
                 kern.kl_logits_fwd_kernel[(n,)](
-                    z, y, out, out, z.stride(0), y.stride(0), n, v, scale,
-                    HAS_LABELS=False, WANT_AB=ab, WANT_BA=ba, WANT_ENT=ent,
+                    z, y, out, out, out, z.stride(0), y.stride(0), n, v, scale,
+                    HAS_LABELS=False, RECORD_PATH=False, WANT_AB=ab, WANT_BA=ba, WANT_ENT=ent,
                     BLOCK_V=bv, num_warps=warps,
                 )  # fmt: skip
 
@@ -79,6 +80,30 @@ def main() -> None:
             out.fill_(float("nan"))
             row = {"kernel": f"forward {label}", "block_v": bv, "num_warps": warps}
             rows.append(measure(row, fwd, fwd_error, 2 * pass_s))
+
+    # Masked vocabularies, through the public function (default launch), KL(pi||ref) only: a -inf
+    # mask shared by both (the last 1000 tokens) or on pi alone (KL(pi||ref) finite) takes the
+    # clamped re-read; a mask on ref alone makes KL(pi||ref) +inf (careful loop).
+    for label, zm, ym in (
+        ("shared mask", True, True),
+        ("mask on pi only", True, False),
+        ("mask on ref only", False, True),
+    ):
+        zz, yy = z.clone(), y.clone()
+        if zm:
+            zz[:, -1000:] = float("-inf")
+        if ym:
+            yy[:, -1000:] = float("-inf")
+        careful = torch.zeros(n, dtype=torch.int32, device="cuda")
+
+        def masked(zz=zz, yy=yy, careful=careful):
+            kl_logits_forward(
+                zz, yy, want_kl_ref_pi=False, want_entropy=False, careful_rows=careful
+            )
+
+        row = {"kernel": f"forward {label}", "block_v": 1024, "num_warps": 4}
+        rows.append(measure(row, masked, lambda c=careful: float(c.float().mean()), 2 * pass_s))
+        del zz, yy
 
     g1 = torch.ones(n, device="cuda")
     dz = torch.empty_like(z)

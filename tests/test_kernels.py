@@ -304,6 +304,58 @@ def test_maximum_far_above_the_first_block(jump):
     check_forward(stats, reference(z, y), f"jump {jump}")
 
 
+@needs_triton
+@pytest.mark.parametrize(("ab", "ba"), [(True, False), (False, True), (True, True)])
+def test_which_rows_leave_the_fast_loop(ab, ba):
+    """The fast loop must hold for ordinary rows; its clamped re-read for a -inf mask shared by both
+    logits (a masked vocabulary) or on the side whose KL is not wanted; the careful loop must take
+    the rest: one side's -inf against the other's finite logit where that makes a wanted KL +inf,
+    NaN / +inf entries, a first block of only -inf, a maximum beyond the exp2 range. Results
+    equal the reference either way."""
+    z, y = logits(9, 200, torch.float32, seed=29)
+    z[1, 5:190:3] = y[1, 5:190:3] = -INF  # shared mask
+    z[2, 150] = -INF  # pi forbids a token ref allows: KL(ref||pi) = +inf, KL(pi||ref) finite
+    y[3, 70] = -INF  # ref forbids a token pi allows: KL(pi||ref) = +inf
+    z[4, 100] = math.nan
+    y[5, 199] = INF
+    z[6, :64] = y[6, :64] = -INF  # the first block, shared
+    z[7, 120] = 200.0  # 2^(200 log2 e) overflows float32
+    y[8, 64:] = y[8, 64:] + 30.0  # a late maximum well inside the range
+    careful = torch.full((9,), -1, dtype=torch.int32, device=DEV)
+    stats = kl_logits_forward(
+        *to_dev(z, y), want_kl_pi_ref=ab, want_kl_ref_pi=ba, block_v=64, careful_rows=careful
+    )
+    # 0: fast loop; 1: fast loop with -inf clamped (a second read); 2: careful loop (a third).
+    expected = [0, 1, 1 + int(ba), 1 + int(ab), 2, 2, 2, 2, 0]
+    assert careful.cpu().tolist() == expected
+    ref = reference(z, y)
+    keep = torch.tensor([i not in (4, 5) for i in range(9)])  # NaN rows: the caller's to reject
+    for name, wanted in (("lse_z", True), ("lse_y", True), ("kl_pi_ref", ab), ("kl_ref_pi", ba)):
+        if wanted:
+            got = getattr(stats, name).cpu()[keep]
+            assert_close(got, ref[name][keep], atol=FWD_ATOL, rtol=FWD_RTOL, what=name)
+    assert stats.lse_z[4].isnan() and stats.lse_y[5].isnan()
+
+
+@needs_triton
+@pytest.mark.parametrize("gap", [10.0, 40.0, 80.0])
+def test_entropy_rounding_grows_with_the_gap_to_the_first_block(gap):
+    """The fast loop's entropy is lg s - w / s with both terms about the gap G (log2 units)
+    between the row's maximum and the first block's: float32 leaves an absolute error of a few
+    G 2^-24 (the module docstring's bound, 8 (G + log2 V) 2^-24 ln 2, is checked here on rows
+    whose entropy is near 0, where the cancellation is total)."""
+    z, _ = logits(4, 4096, torch.float32, seed=31)
+    z[:, 3000] += gap  # one dominant token far above the first block
+    z[1, 64:] += 0.5 * gap
+    y = z + 0.01 * logits(4, 4096, torch.float32, seed=32)[0]
+    stats = kl_logits_forward(*to_dev(z, y), block_v=1024)
+    ref = reference(z, y)
+    g_log2 = (z.max(1).values - z[:, :1024].max(1).values) * math.log2(math.e)
+    bound = 8 * (g_log2 + math.log2(4096)) * 2.0**-24 * math.log(2)
+    err = (stats.entropy.cpu().double() - ref["entropy"]).abs()
+    assert (err <= bound.double()).all(), (err, bound)
+
+
 WANTS = [(a, b, e) for a in (False, True) for b in (False, True) for e in (False, True)]
 
 
@@ -631,9 +683,10 @@ from klest.kernels import _kl_logits_triton as kern
 
 ints = dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "N", "V"), "i32")
 fwd = {"z_ptr": "*bf16", "y_ptr": "*fp16", "label_ptr": "*i64", "out_ptr": "*fp32",
-       **{k: ints[k] for k in ("stride_z", "stride_y", "N", "V")}, "scale": "fp32",
-       "HAS_LABELS": "constexpr", "WANT_AB": "constexpr", "WANT_BA": "constexpr",
-       "WANT_ENT": "constexpr", "BLOCK_V": "constexpr"}
+       "path_ptr": "*i32", **{k: ints[k] for k in ("stride_z", "stride_y", "N", "V")},
+       "scale": "fp32", "HAS_LABELS": "constexpr", "RECORD_PATH": "constexpr",
+       "WANT_AB": "constexpr", "WANT_BA": "constexpr", "WANT_ENT": "constexpr",
+       "BLOCK_V": "constexpr"}
 flags = ("HAS_G1", "HAS_G2", "HAS_G3", "HAS_G4", "HAS_G5", "NEED_DZ", "NEED_DY", "USE_Z", "USE_Y")
 rows = ("lse_a_ptr", "lse_b_ptr", "kl_ab_ptr", "kl_ba_ptr", "ent_ptr",
         "g1_ptr", "g2_ptr", "g3_ptr", "g4_ptr", "g5_ptr")
@@ -646,7 +699,8 @@ every = dict.fromkeys(flags, True)
 pi_only = {**dict.fromkeys(flags, False), "HAS_G3": True, "HAS_G4": True, "NEED_DZ": True,
            "USE_Z": True}
 ref_only = {**dict.fromkeys(flags, False), "HAS_G5": True, "NEED_DY": True, "USE_Y": True}
-jobs = [(kern.kl_logits_fwd_kernel, fwd, {"HAS_LABELS": h, "WANT_AB": True, "WANT_BA": h,
+jobs = [(kern.kl_logits_fwd_kernel, fwd, {"HAS_LABELS": h, "RECORD_PATH": h, "WANT_AB": True,
+                                           "WANT_BA": h,
                                            "WANT_ENT": h, "BLOCK_V": 1024}) for h in (True, False)]
 for c in (every, pi_only, ref_only):
     jobs.append((kern.kl_logits_bwd_kernel, bwd, {**c, "BLOCK_V": 1024}))

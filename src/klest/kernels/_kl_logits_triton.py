@@ -17,13 +17,24 @@ offset ``m`` of ``a2`` (and of ``b2``)::
 These hold for any offset; two loops choose it differently.
 
 * Fast (``_fast_sums``, tried first): ``m`` is the maximum of the row's first block, fixed for the
-  row. The loop body is then four loads-and-converts' worth of arithmetic per element pair (two
-  ``exp2``, a few fma; nothing for a sum not asked for: ``WANT_*``): no running maximum, no
-  rescaling, no cross-lane reduction, no select, and no mask outside the last block. Its largest
-  term is ``2^0 = 1`` or more, so nothing the result needs underflows; it fails only by going
-  non-finite: a term overflows (the row's maximum exceeds the first block's by ~126 / log2 e
-  nats), or the row holds ``-inf`` (``0 * -inf`` in a product), NaN or ``+inf``. The kernel
-  checks the sums and, for such a row only, runs the careful loop (a second read of that row).
+  row. The loop body is then a few fma per element pair (two ``exp2``; nothing for a sum not
+  asked for: ``WANT_*``): no running maximum, no rescaling, no cross-lane reduction, and no mask
+  outside the last block. A row with ``-inf`` entries makes a sum non-finite (``0 * -inf``) and
+  is read again by the same loop with ``CLAMP``: ``-inf`` replaced by the finite
+  ``MASKED_LOGIT = -2^100`` (a NaN-propagating max), whose ``exp2`` is 0 and whose products with
+  0 are 0, so a ``-inf`` mask shared by both logits (a masked vocabulary), or one on a side whose
+  KL is not asked for, is handled there. (Clamping on the first read would cost the common,
+  finite case ~20% on an H200.) Its largest term is
+  ``2^0 = 1`` or more, so nothing the result needs underflows. It cannot give the result, and
+  says so (``ok`` False), when a sum goes non-finite (a term overflows: the row's maximum is
+  ~88 nats above the first block's, less for the products; NaN or ``+inf`` entries; a first
+  block of only ``-inf``) or when ``|z - y|`` reaches ~2^99 in a wanted KL's direction (one
+  side's ``-inf`` against the other's finite logit: that KL is ``+inf``; only with ``CLAMP``).
+  The kernel then runs the careful loop for that row only. Rounding: the entropy
+  ``lg s - w / s`` subtracts two numbers of about the gap ``G`` (log2 units) between the row's
+  maximum and the offset, so its absolute error grows to about ``8 (G + log2 V) 2^-24 ln 2``
+  (tested; at most ~4e-5 nats before overflow sends the row to the careful loop); the KLs and
+  log-normalizers lose a factor ~2 at most.
 * Careful (``_careful_sums``): a running maximum ``m`` (a scalar) and per-lane running sums,
   rescaled by ``alpha = 2^(m_old - m_new)`` whenever the maximum grows. ``w_a`` is kept relative
   to the running maximum (not ``sum 2^(a2 - m) a2``) so the entropy does not cancel two numbers of
@@ -64,12 +75,28 @@ LN2 = tl.constexpr(0.6931471805599453)
 
 
 @triton.jit
+def _finite(x):
+    return x * 0.0 == 0.0
+
+
+# -inf stands in the fast loop for this (finite) value: its exp2 is 0, and 0 times it is 0.
+MASKED_LOGIT = tl.constexpr(-(2.0**100))
+
+
+@triton.jit
 def _fast_terms(
-    zf, yf, inside, m_a, m_b, scale, s_a, s_b, w_a, t_a, t_b,
+    zf, yf, inside, m_a, m_b, scale, s_a, s_b, w_a, t_a, t_b, d_hi, d_lo,
     WANT_AB: tl.constexpr, WANT_BA: tl.constexpr, WANT_ENT: tl.constexpr, MASKED: tl.constexpr,
+    CLAMP: tl.constexpr,
 ):  # fmt: skip
     """One block's terms added to the fast loop's per-lane sums (``inside``: lanes < V, used only
-    when ``MASKED``; masked lanes hold 0 and get weight 0)."""
+    when ``MASKED``; masked lanes hold 0 and get weight 0). With ``CLAMP``, ``-inf`` entries count
+    as ``MASKED_LOGIT`` and ``d_hi`` / ``d_lo`` track the largest / smallest ``z - y`` (for the KL
+    that needs it)."""
+    if CLAMP:
+        # -inf -> MASKED_LOGIT; NaN stays NaN (a plain max would drop it), +inf stays +inf.
+        zf = tl.maximum(zf, MASKED_LOGIT, propagate_nan=tl.PropagateNan.ALL)
+        yf = tl.maximum(yf, MASKED_LOGIT, propagate_nan=tl.PropagateNan.ALL)
     x_a = zf * scale - m_a
     e_a = tl.exp2(x_a)
     e_b = tl.exp2(yf * scale - m_b)
@@ -79,11 +106,15 @@ def _fast_terms(
     d = zf - yf
     if WANT_AB:
         t_a += e_a * d
+        if CLAMP:
+            d_hi = tl.maximum(d_hi, d)
     if WANT_BA:
         t_b += e_b * d
+        if CLAMP:
+            d_lo = tl.minimum(d_lo, d)
     if WANT_ENT:
         w_a += e_a * x_a
-    return s_a + e_a, s_b + e_b, w_a, t_a, t_b
+    return s_a + e_a, s_b + e_b, w_a, t_a, t_b, d_hi, d_lo
 
 
 @triton.jit
@@ -95,13 +126,14 @@ def _fast_sums(
     WANT_AB: tl.constexpr,
     WANT_BA: tl.constexpr,
     WANT_ENT: tl.constexpr,
+    CLAMP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """The row's sums against a fixed offset (the first block's maxima); see the module docstring.
 
-    Returns ``(m_a, m_b, s_a, s_b, w_a, t_a, t_b)`` as scalars, in log2 units, ``t_b`` with the sign
-    of ``sum 2^(b2 - m_b) (b2 - a2)``. Non-finite sums (overflow, -inf / NaN / +inf inputs) mean
-    the caller must use :func:`_careful_sums` for this row.
+    Returns ``(m_a, m_b, s_a, s_b, w_a, t_a, t_b, ok)``: scalars in log2 units, ``t_b`` with the
+    sign of ``sum 2^(b2 - m_b) (b2 - a2)``, and whether they hold. Where ``ok`` is False the caller
+    must use :func:`_careful_sums` for this row.
     """
     cols = tl.arange(0, BLOCK_V)
     first = cols < V
@@ -114,32 +146,37 @@ def _fast_sums(
     w_a = tl.zeros([BLOCK_V], dtype=tl.float32)
     t_a = tl.zeros([BLOCK_V], dtype=tl.float32)
     t_b = tl.zeros([BLOCK_V], dtype=tl.float32)
+    d_hi = tl.zeros([BLOCK_V], dtype=tl.float32)
+    d_lo = tl.zeros([BLOCK_V], dtype=tl.float32)
     v_full = V - V % BLOCK_V
     for start in range(0, v_full, BLOCK_V):
         zf = tl.load(z_row + start + cols).to(tl.float32)
         yf = tl.load(y_row + start + cols).to(tl.float32)
-        s_a, s_b, w_a, t_a, t_b = _fast_terms(
-            zf, yf, first, m_a, m_b, scale, s_a, s_b, w_a, t_a, t_b,
-            WANT_AB, WANT_BA, WANT_ENT, False,
+        s_a, s_b, w_a, t_a, t_b, d_hi, d_lo = _fast_terms(
+            zf, yf, first, m_a, m_b, scale, s_a, s_b, w_a, t_a, t_b, d_hi, d_lo,
+            WANT_AB, WANT_BA, WANT_ENT, False, CLAMP,
         )  # fmt: skip
     if v_full < V:
         offs = v_full + cols
         inside = offs < V
         zf = tl.load(z_row + offs, mask=inside, other=0.0).to(tl.float32)
         yf = tl.load(y_row + offs, mask=inside, other=0.0).to(tl.float32)
-        s_a, s_b, w_a, t_a, t_b = _fast_terms(
-            zf, yf, inside, m_a, m_b, scale, s_a, s_b, w_a, t_a, t_b,
-            WANT_AB, WANT_BA, WANT_ENT, True,
+        s_a, s_b, w_a, t_a, t_b, d_hi, d_lo = _fast_terms(
+            zf, yf, inside, m_a, m_b, scale, s_a, s_b, w_a, t_a, t_b, d_hi, d_lo,
+            WANT_AB, WANT_BA, WANT_ENT, True, CLAMP,
         )  # fmt: skip
-    return (
-        m_a,
-        m_b,
-        tl.sum(s_a, axis=0),
-        tl.sum(s_b, axis=0),
-        tl.sum(w_a, axis=0),
-        tl.sum(t_a, axis=0) * scale,
-        -tl.sum(t_b, axis=0) * scale,
-    )
+    sum_a = tl.sum(s_a, axis=0)
+    sum_b = tl.sum(s_b, axis=0)
+    tot_w = tl.sum(w_a, axis=0)
+    tot_a = tl.sum(t_a, axis=0) * scale
+    tot_b = -tl.sum(t_b, axis=0) * scale
+    ok = _finite(sum_a) & _finite(sum_b) & _finite(tot_a) & _finite(tot_b) & _finite(tot_w)
+    # |z - y| near 2^100 is one side's -inf against the other's finite logit: a KL of +inf (or a
+    # logit beyond 2^99), left to the careful loop.
+    if CLAMP:
+        ok = ok & (tl.max(d_hi, axis=0) < -0.5 * MASKED_LOGIT)
+        ok = ok & (tl.min(d_lo, axis=0) > 0.5 * MASKED_LOGIT)
+    return m_a, m_b, sum_a, sum_b, tot_w, tot_a, tot_b, ok
 
 
 @triton.jit
@@ -200,39 +237,45 @@ def _careful_sums(z_row, y_row, V, scale, BLOCK_V: tl.constexpr):
 
 
 @triton.jit
-def _finite(x):
-    return x * 0.0 == 0.0
-
-
-@triton.jit
 def kl_logits_fwd_kernel(
     z_ptr,
     y_ptr,
     label_ptr,
     out_ptr,
+    path_ptr,
     stride_z,
     stride_y,
     N,
     V,
     scale,
     HAS_LABELS: tl.constexpr,
+    RECORD_PATH: tl.constexpr,
     WANT_AB: tl.constexpr,
     WANT_BA: tl.constexpr,
     WANT_ENT: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
     """One row per program. ``out`` is a contiguous ``[7, N]`` float32 buffer; the KLs and the
-    entropy not asked for (``WANT_*`` False) are written as 0."""
+    entropy not asked for (``WANT_*`` False) are written as 0. With ``RECORD_PATH``, ``path`` (int32
+    ``[N]``) gets the loop that gave the row: 0 fast, 1 fast with -inf clamped, 2 careful."""
     row = tl.program_id(0).to(tl.int64)
     z_row = z_ptr + row * stride_z
     y_row = y_ptr + row * stride_y
 
-    m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b = _fast_sums(
-        z_row, y_row, V, scale, WANT_AB, WANT_BA, WANT_ENT, BLOCK_V
+    m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b, ok = _fast_sums(
+        z_row, y_row, V, scale, WANT_AB, WANT_BA, WANT_ENT, False, BLOCK_V
     )
-    ok = _finite(sum_a) & _finite(sum_b) & _finite(tot_a) & _finite(tot_b) & _finite(w_a)
+    ok_clamped = ok
     if not ok:
-        m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b = _careful_sums(z_row, y_row, V, scale, BLOCK_V)
+        m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b, ok_clamped = _fast_sums(
+            z_row, y_row, V, scale, WANT_AB, WANT_BA, WANT_ENT, True, BLOCK_V
+        )
+        if not ok_clamped:
+            m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b = _careful_sums(
+                z_row, y_row, V, scale, BLOCK_V
+            )
+    if RECORD_PATH:
+        tl.store(path_ptr + row, (~ok).to(tl.int32) + (~ok_clamped).to(tl.int32))
 
     lg_a = tl.log2(sum_a)
     lg_b = tl.log2(sum_b)

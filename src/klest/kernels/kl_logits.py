@@ -212,6 +212,7 @@ def kl_logits_forward(
     want_kl_ref_pi: bool = True,
     want_entropy: bool = True,
     block_v: int | None = None,
+    careful_rows: Tensor | None = None,
 ) -> KLRowStats:
     r"""Both KLs, pi's entropy, the log-normalizers and label log-probs, in one pass.
 
@@ -242,6 +243,9 @@ def kl_logits_forward(
         not wanted costs nothing and is returned as 0 (the log-normalizers and label log-probs
         are always computed).
       block_v: vocabulary block (power of two, >= 16); default ``min(1024, next_pow2(V))``.
+      careful_rows: optional int32 ``[N]`` tensor on ``z``'s device, filled with the loop that
+        gave each row: 0 the fast loop, 1 its re-read with ``-inf`` clamped, 2 the careful loop
+        (for tests and benchmarks).
 
     Returns:
       :class:`KLRowStats`, every field float32 ``[N]``. KLs are ``+inf`` where one distribution
@@ -255,6 +259,16 @@ def kl_logits_forward(
     n, v = z.shape
     labels = _check_labels(labels, n, z.device)
     bv = _block_v(block_v, v)
+    if careful_rows is not None and not (
+        isinstance(careful_rows, Tensor)
+        and careful_rows.dtype == torch.int32
+        and careful_rows.shape == (n,)
+        and careful_rows.device == z.device
+        and careful_rows.is_contiguous()
+    ):
+        raise TypeError(
+            f"careful_rows must be a contiguous int32 tensor of shape ({n},) on {z.device}"
+        )
     out = torch.empty(7, n, dtype=torch.float32, device=z.device)
     if labels is None:
         out[5:].zero_()
@@ -265,12 +279,14 @@ def kl_logits_forward(
             y,
             out if labels is None else labels,  # unused when HAS_LABELS is False
             out,
+            out if careful_rows is None else careful_rows,
             z.stride(0),
             y.stride(0),
             n,
             v,
             math.log2(math.e) / tau,
             HAS_LABELS=labels is not None,
+            RECORD_PATH=careful_rows is not None,
             WANT_AB=bool(want_kl_pi_ref),
             WANT_BA=bool(want_kl_ref_pi),
             WANT_ENT=bool(want_entropy),
