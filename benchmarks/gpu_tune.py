@@ -25,8 +25,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from klest.bench_gpu import copy_bandwidth, time_cuda
-from klest.kernels import kl_logits_forward
-from klest.kernels.kl_logits import _kernels
+from klest.logits.kernels import kl_logits_forward
+from klest.logits.kernels.kl_logits import _kernels
 
 BLOCKS = (512, 1024, 2048, 4096)
 WARPS = (2, 4, 8)

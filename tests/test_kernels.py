@@ -34,7 +34,7 @@ if HAS_TRITON and not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import klest  # noqa: E402
-from klest.kernels import (  # noqa: E402
+from klest.logits.kernels import (  # noqa: E402
     KLRowStats,
     kl_logits_backward,
     kl_logits_forward,
@@ -182,7 +182,7 @@ def check_grad(got, want, dtype, what):
 def test_imports_without_triton():
     code = (
         "import sys; sys.modules['triton'] = None\n"
-        "import klest.kernels as k\n"
+        "import klest.logits.kernels as k\n"
         "assert not k.triton_available()\n"
         "import torch\n"
         "try:\n"
@@ -679,7 +679,7 @@ _COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from klest.kernels import _kl_logits_triton as kern
+from klest.logits.kernels import _kl_logits_triton as kern
 
 ints = dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "N", "V"), "i32")
 fwd = {"z_ptr": "*bf16", "y_ptr": "*fp16", "label_ptr": "*i64", "out_ptr": "*fp32",

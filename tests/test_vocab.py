@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import klest
-from klest.vocab import kl_from_logits
+from klest.logits.from_logits import kl_from_logits
 
 INF = math.inf
 ULP = {

@@ -11,7 +11,6 @@ from klest.audit import GradAudit
 from klest.audit import ValueAudit
 from klest.audit import audit_grad
 from klest.audit import audit_value
-from klest.categorical import categorical_kl
 from klest.control_variates import AlphaEMA
 from klest.estimators import cv
 from klest.estimators import f_divergence
@@ -20,15 +19,16 @@ from klest.estimators import k2
 from klest.estimators import k3
 from klest.estimators import k_abs
 from klest.estimators import kl_estimate
-from klest.distributed import kl_from_logits_vocab_parallel
-from klest.fused_linear import kl_from_hidden
+from klest.logits import LogitsKL
+from klest.logits import categorical_kl
+from klest.logits import kl_from_hidden
+from klest.logits import kl_from_logits
+from klest.logits import kl_from_logits_vocab_parallel
 from klest.penalty import KLGradientWarning
 from klest.penalty import PenaltyDetails
 from klest.penalty import kl_penalty
 from klest.surrogates import BaselineEMA
 from klest.surrogates import decouple
-from klest.vocab import LogitsKL
-from klest.vocab import kl_from_logits
 
 __version__ = "0.1.0"
 

@@ -71,9 +71,9 @@ from klest.estimators import (
     prepare_log_ratios,
     ratio_terms,
 )
+from klest.logits.from_logits import kl_from_logits
 from klest.sequence import prefix_weights, sum_after, sum_from_here
 from klest.surrogates import BASELINES, BaselineEMA, decouple, group_baseline
-from klest.vocab import kl_from_logits
 
 GRADS = ("pathwise", "stl", "score", "cumulative", "rb", "token", "autodiff")
 VALUES = (*ESTIMATORS, "rb")

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from klest._checks import check_direction
-from klest.categorical import categorical_kl
+from klest.logits.reference import categorical_kl
 from klest.testbeds.base import Sample, Testbed
 
 

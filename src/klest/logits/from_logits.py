@@ -15,8 +15,8 @@ Memory: a custom ``autograd.Function`` walks row chunks and saves only a few flo
 When the KL is the only output, its gradient is written during the forward pass (into the buffer
 that the backward returns, scaled in place: the *stash*), so forward + backward reads the logits
 once; otherwise the backward recomputes ``softmax`` chunk by chunk from the saved normalizers.
-On CUDA the same Function runs the Triton kernels of :mod:`klest.kernels` (forward: one read of
-each tensor; backward: one read of each and one write of each gradient).
+On CUDA the same Function runs the Triton kernels of :mod:`klest.logits.kernels` (forward: one
+read of each tensor; backward: one read of each and one write of each gradient).
 
 Naive PyTorch (``log_softmax`` twice, then ``kl_div``) keeps several ``[N, V]`` float32 tensors
 alive for the backward: TRL dropped its full-vocabulary option and verl raises
@@ -36,8 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from klest._checks import check_choice, check_direction, check_int_ids, check_mask
 from klest.aggregation import REDUCTIONS, aggregate
-from klest.kernels import KLRowStats
-from klest.logits_rows import (
+from klest.logits._rows import (
     BACKENDS,
     Grads,
     chunk_rows,
@@ -46,6 +45,7 @@ from klest.logits_rows import (
     row_stats,
     workspace_bytes_per_row,
 )
+from klest.logits._stats import KLRowStats
 
 _OUTPUTS = ("kl_pi_ref", "kl_ref_pi", "entropy", "logp_label", "logp_ref_label")
 

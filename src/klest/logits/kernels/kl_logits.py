@@ -25,7 +25,7 @@ with upstream gradients :math:`g_1..g_5` of the five per-row outputs (DESIGN.md 
 
 This module imports without triton; :func:`triton_available` says whether the kernels can run
 (triton importable, and CUDA present or ``TRITON_INTERPRET=1``, which runs them on CPU tensors).
-The memory-bounded autograd path that calls these kernels is :mod:`klest.vocab`.
+The memory-bounded autograd path that calls these kernels is :mod:`klest.logits.from_logits`.
 
 Caller's contract (not checked here: a check would cost a device synchronisation):
   * no NaN or ``+inf`` logits (a row that has them gives NaN everywhere);
@@ -40,10 +40,11 @@ import functools
 import math
 import os
 from types import ModuleType
-from typing import NamedTuple
 
 import torch
 from torch import Tensor
+
+from klest.logits._stats import KLRowStats
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MIN_BLOCK_V = 16
@@ -54,25 +55,6 @@ _MAX_BLOCK_V = 65536
 # 4 warps (benchmarks/README.md has the numbers).
 _DEFAULT_MAX_BLOCK_V = 1024
 _MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (the backward's vocabulary blocks)
-
-
-class KLRowStats(NamedTuple):
-    """Per-row results of :func:`kl_logits_forward`; every field is float32 ``[N]``."""
-
-    lse_z: Tensor
-    """``logsumexp(z / tau)``."""
-    lse_y: Tensor
-    """``logsumexp(y / tau)``."""
-    kl_pi_ref: Tensor
-    """``KL(softmax(z / tau) || softmax(y / tau))``."""
-    kl_ref_pi: Tensor
-    """``KL(softmax(y / tau) || softmax(z / tau))``."""
-    entropy: Tensor
-    """``H(softmax(z / tau))``."""
-    logp_label: Tensor
-    """``z[label] / tau - lse_z``; 0 where the label is outside ``[0, V)`` or ``labels`` is None."""
-    logp_ref_label: Tensor
-    """``y[label] / tau - lse_y``; 0 where the label is outside ``[0, V)`` or ``labels`` is None."""
 
 
 def _interpreting() -> bool:
@@ -97,9 +79,10 @@ def triton_available() -> bool:
 def _kernels() -> ModuleType:
     if not _triton_importable():
         raise RuntimeError(
-            "klest.kernels needs triton, which is not installed; use klest.vocab's PyTorch path"
+            "klest.logits.kernels needs triton, which is not installed; use "
+            "kl_from_logits(..., backend='torch')"
         )
-    from klest.kernels import _kl_logits_triton
+    from klest.logits.kernels import _kl_logits_triton
 
     return _kl_logits_triton
 
@@ -226,8 +209,8 @@ def kl_logits_forward(
     entries) is detected by its non-finite sums and re-read once with a running maximum (online
     softmax, ``-inf`` selected out). Nothing ``V``-sized is written.
 
-    No gradient is recorded: :func:`kl_logits_backward` gives the gradients (``klest.vocab``
-    wraps both in an ``autograd.Function``).
+    No gradient is recorded: :func:`kl_logits_backward` gives the gradients
+    (:mod:`klest.logits.from_logits` wraps both in an ``autograd.Function``).
 
     Args:
       z: pi's logits ``[N, V]``, float32 / bfloat16 / float16, CUDA (or CPU under

@@ -1,11 +1,12 @@
 r"""Per-row statistics of two logit tensors and their gradients: chunked PyTorch, or Triton.
 
-The two primitives behind every exact-from-logits path of klest (:mod:`klest.vocab`,
-:mod:`klest.fused_linear`, :mod:`klest.distributed`). For pi's logits ``z`` and ref's logits
-``y`` (``[N, V]``), :math:`a = z/\tau`, :math:`b = y/\tau`, :math:`q = \mathrm{softmax}(a)`,
+The two primitives behind every exact-from-logits path of klest
+(:mod:`klest.logits.from_logits`, :mod:`klest.logits.from_hidden`,
+:mod:`klest.logits.vocab_parallel`). For pi's logits ``z`` and ref's logits ``y`` (``[N, V]``),
+:math:`a = z/\tau`, :math:`b = y/\tau`, :math:`q = \mathrm{softmax}(a)`,
 :math:`p = \mathrm{softmax}(b)`, :math:`d = \log q - \log p`:
 
-* :func:`row_stats` gives per row (a :class:`~klest.kernels.KLRowStats`) the log-normalizers,
+* :func:`row_stats` gives per row (a :class:`~klest.logits.KLRowStats`) the log-normalizers,
   :math:`KL(q\|p) = \sum_v q_v d_v`, :math:`KL(p\|q) = -\sum_v p_v d_v`,
   :math:`H(q) = -\sum_v q_v \log q_v` and the label log-probs; optionally it also writes the
   gradient of one KL in the same pass (the *stash*: the caller then only scales it);
@@ -21,10 +22,10 @@ The two primitives behind every exact-from-logits path of klest (:mod:`klest.voc
 
 The PyTorch path walks row chunks (``log_softmax`` in float32 on each), so no more than a few
 chunk-sized buffers exist at once; rows with ``-inf`` entries (a masked vocabulary) go through a
-slower masked formula with ``0 log 0 = 0``. On CUDA the Triton kernels of :mod:`klest.kernels`
-do the same in one pass each. Labels follow the kernels' convention: a label ``< 0`` is ignored,
-a label ``>= V`` is a token of another vocabulary shard (its ``-q`` / ``-p`` part of the
-gradient only).
+slower masked formula with ``0 log 0 = 0``. On CUDA the Triton kernels of
+:mod:`klest.logits.kernels` do the same in one pass each. Labels follow the kernels'
+convention: a label ``< 0`` is ignored, a label ``>= V`` is a token of another vocabulary shard
+(its ``-q`` / ``-p`` part of the gradient only).
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from klest.kernels import KLRowStats, kl_logits_backward, kl_logits_forward, triton_available
+from klest.logits._stats import Grads, KLRowStats
+from klest.logits.kernels import kl_logits_backward, kl_logits_forward, triton_available
 
 BACKENDS = ("auto", "torch", "triton")
 # Float32 buffers of V entries that the PyTorch path holds per row of a chunk (a, b, q, p, d).
@@ -48,25 +50,6 @@ CUDA_MEMORY_BUDGET = 2**30
 
 def default_budget(device: torch.device) -> int:
     return CUDA_MEMORY_BUDGET if device.type == "cuda" else DEFAULT_MEMORY_BUDGET
-
-
-@dataclass(frozen=True)
-class Grads:
-    """Upstream gradients ``g1..g5`` of the five per-row outputs (``None``: no term)."""
-
-    kl_pi_ref: Tensor | None = None
-    kl_ref_pi: Tensor | None = None
-    entropy: Tensor | None = None
-    logp_label: Tensor | None = None
-    logp_ref_label: Tensor | None = None
-
-    def any_z(self) -> bool:
-        return any(
-            g is not None for g in (self.kl_pi_ref, self.kl_ref_pi, self.entropy, self.logp_label)
-        )
-
-    def any_y(self) -> bool:
-        return any(g is not None for g in (self.kl_pi_ref, self.kl_ref_pi, self.logp_ref_label))
 
 
 def resolve_backend(backend: str, z: Tensor) -> str:

@@ -1,4 +1,4 @@
-r"""Triton kernels behind :mod:`klest.kernels.kl_logits` (imported only when triton is).
+r"""Triton kernels behind :mod:`klest.logits.kernels.kl_logits` (imported only when triton is).
 
 Notation: ``a = z / tau`` and ``b = y / tau`` are pi's and ref's scaled logits, ``q = softmax(a)``,
 ``p = softmax(b)``. The kernels work in base 2: they load ``a2 = a log2(e)`` (one multiply by

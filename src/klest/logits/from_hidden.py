@@ -4,7 +4,7 @@ The last layer of a language model maps hidden states ``h`` ``[N, H]`` to logits
 ``z = h W^T (+ b)`` with ``W`` ``[V, H]``. :func:`kl_from_hidden` computes the per-position exact
 KL of :func:`klest.kl_from_logits` between pi's ``softmax(z / T)`` and ref's distribution (from
 ref's own hidden states and head, or from ref's logits) chunk by chunk: each chunk of rows makes
-its logits, reduces them to a few floats per row (:mod:`klest.logits_rows`), and drops them. The
+its logits, reduces them to a few floats per row (:mod:`klest.logits._rows`), and drops them. The
 backward recomputes each chunk's logits and applies
 
 .. math::
@@ -29,8 +29,7 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 
 from klest._checks import check_choice
-from klest.kernels import KLRowStats
-from klest.logits_rows import (
+from klest.logits._rows import (
     BACKENDS,
     Grads,
     chunk_rows,
@@ -39,7 +38,8 @@ from klest.logits_rows import (
     row_stats,
     workspace_bytes_per_row,
 )
-from klest.vocab import (
+from klest.logits._stats import KLRowStats
+from klest.logits.from_logits import (
     LogitsKL,
     check_chunking,
     check_rows_finite,

@@ -2,7 +2,7 @@ r"""Exact KL between categorical distributions given by logits or log-probabilit
 
 Plain PyTorch over the full last dimension: right for small vocabularies and as the slow,
 obviously correct reference that faster paths are tested against. It materializes a few
-``[..., V]`` tensors; the memory-bounded large-vocabulary path is :mod:`klest.vocab`.
+``[..., V]`` tensors; the memory-bounded large-vocabulary path is :mod:`klest.logits.from_logits`.
 """
 
 from __future__ import annotations

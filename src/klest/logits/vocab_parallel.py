@@ -1,7 +1,7 @@
 r"""Vocab-parallel exact KL: logits sharded over the vocabulary across a process group.
 
 Under tensor parallelism each rank ``r`` holds columns ``[o_r, o_r + V_r)`` of both models'
-logits. Each rank reduces its shard to per-row statistics (:mod:`klest.logits_rows`: local
+logits. Each rank reduces its shard to per-row statistics (:mod:`klest.logits._rows`: local
 log-normalizers :math:`\ell_r`, local KLs, entropy and label log-probs, as if its shard were the
 whole vocabulary); two collectives merge them exactly. With :math:`M = \max_r \ell^a_r`,
 :math:`S_r = e^{\ell^a_r - M}`, :math:`S = \sum_r S_r` (pi's side; :math:`U_r`, :math:`U` with
@@ -16,7 +16,7 @@ whole vocabulary); two collectives merge them exactly. With :math:`M = \max_r \e
 :math:`\log w_r`. Collectives per call, forward: an ``all_gather`` of the shard sizes (a check),
 an ``all_reduce(MAX)`` of ``[2, N]`` and an ``all_reduce(SUM)`` of ``[7, N]`` floats. Backward:
 none, since each shard's gradient is exact given the merged statistics (module
-:mod:`klest.logits_rows`). The same code runs over gloo (CPU) and NCCL (GPU).
+:mod:`klest.logits._rows`). The same code runs over gloo (CPU) and NCCL (GPU).
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from klest.kernels import KLRowStats
-from klest.vocab import (
+from klest.logits._stats import KLRowStats
+from klest.logits.from_logits import (
     LogitsKL,
     check_logits_pair,
     check_temperature,

@@ -1,0 +1,26 @@
+"""Exact divergences between next-token distributions, from logits, at language-model scale.
+
+In the order data flows: :mod:`~klest.logits.reference` (plain PyTorch, small V, the reference
+the rest is tested against), the row statistics and the chunked engine, the Triton kernels
+(:mod:`klest.logits.kernels`), then three front ends: :func:`kl_from_logits`,
+:func:`kl_from_hidden` (fused with the LM head) and :func:`kl_from_logits_vocab_parallel`
+(vocabulary shards over ``torch.distributed``).
+"""
+
+# The public surface is one import per line (an isort merge would undo that).
+# ruff: noqa: I001
+from klest.logits.reference import categorical_kl
+from klest.logits._stats import KLRowStats
+from klest.logits.from_logits import LogitsKL
+from klest.logits.from_logits import kl_from_logits
+from klest.logits.from_hidden import kl_from_hidden
+from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
+
+__all__ = [
+    "KLRowStats",
+    "LogitsKL",
+    "categorical_kl",
+    "kl_from_hidden",
+    "kl_from_logits",
+    "kl_from_logits_vocab_parallel",
+]

@@ -1,0 +1,50 @@
+"""The per-row quantities that flow between the logits engine, its kernels and its front ends.
+
+A leaf module: the chunked PyTorch engine (:mod:`klest.logits._rows`), the Triton kernels
+(:mod:`klest.logits.kernels`) and the autograd Functions all speak in these two types.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple
+
+from torch import Tensor
+
+
+class KLRowStats(NamedTuple):
+    """Per-row results of :func:`kl_logits_forward`; every field is float32 ``[N]``."""
+
+    lse_z: Tensor
+    """``logsumexp(z / tau)``."""
+    lse_y: Tensor
+    """``logsumexp(y / tau)``."""
+    kl_pi_ref: Tensor
+    """``KL(softmax(z / tau) || softmax(y / tau))``."""
+    kl_ref_pi: Tensor
+    """``KL(softmax(y / tau) || softmax(z / tau))``."""
+    entropy: Tensor
+    """``H(softmax(z / tau))``."""
+    logp_label: Tensor
+    """``z[label] / tau - lse_z``; 0 where the label is outside ``[0, V)`` or ``labels`` is None."""
+    logp_ref_label: Tensor
+    """``y[label] / tau - lse_y``; 0 where the label is outside ``[0, V)`` or ``labels`` is None."""
+
+
+@dataclass(frozen=True)
+class Grads:
+    """Upstream gradients ``g1..g5`` of the five per-row outputs (``None``: no term)."""
+
+    kl_pi_ref: Tensor | None = None
+    kl_ref_pi: Tensor | None = None
+    entropy: Tensor | None = None
+    logp_label: Tensor | None = None
+    logp_ref_label: Tensor | None = None
+
+    def any_z(self) -> bool:
+        return any(
+            g is not None for g in (self.kl_pi_ref, self.kl_ref_pi, self.entropy, self.logp_label)
+        )
+
+    def any_y(self) -> bool:
+        return any(g is not None for g in (self.kl_pi_ref, self.kl_ref_pi, self.logp_ref_label))
