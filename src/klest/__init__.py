@@ -1,17 +1,34 @@
 """klest: KL divergence estimators and their gradients, correct and low-variance.
 
 Every KL is named by its arguments: ``KL(pi||ref) = E_pi[log pi - log ref]`` (the RLHF penalty,
-"reverse" KL in VI) and ``KL(ref||pi)`` (maximum likelihood, "forward" KL in VI). ``pi`` is the
-trainable distribution that samples come from; ``ref`` is fixed.
+"reverse" KL in variational inference) and ``KL(ref||pi)`` (maximum likelihood, "forward" KL in
+variational inference). ``pi`` is the trainable distribution that samples come from; ``ref`` is
+fixed.
+
+The public API is this module, :mod:`klest.nn`, :mod:`klest.testbeds`, :mod:`klest.audit` and
+:mod:`klest.logits`; modules whose names start with an underscore are internal.
 """
 
+# The public surface is one import per line (an isort merge would undo that).
+from klest._checks import get_default_validate
+from klest._checks import set_default_validate
+from klest._types import AlphaFit
+from klest._types import Backend
+from klest._types import Baseline
+from klest._types import Direction
+from klest._types import Estimator
+from klest._types import Grad
+from klest._types import Level
+from klest._types import Reduction
 from klest.aggregation import KLDiagnostics
+from klest.aggregation import WithDetails
 from klest.aggregation import aggregate
 from klest.audit import GradAudit
 from klest.audit import ValueAudit
 from klest.audit import audit_grad
 from klest.audit import audit_value
 from klest.control_variates import AlphaEMA
+from klest.estimators import EstimateDetails
 from klest.estimators import cv
 from klest.estimators import f_divergence
 from klest.estimators import k1
@@ -19,11 +36,13 @@ from klest.estimators import k2
 from klest.estimators import k3
 from klest.estimators import k_abs
 from klest.estimators import kl_estimate
-from klest.logits import LogitsKL
+from klest.logits import LogitsDetails
 from klest.logits import categorical_kl
 from klest.logits import kl_from_hidden
 from klest.logits import kl_from_logits
 from klest.logits import kl_from_logits_vocab_parallel
+from klest.penalty import GRADIENT_ESTIMATORS
+from klest.penalty import GradientEstimator
 from klest.penalty import KLGradientWarning
 from klest.penalty import PenaltyDetails
 from klest.penalty import kl_penalty
@@ -33,14 +52,26 @@ from klest.surrogates import decouple
 __version__ = "0.1.0"
 
 __all__ = [
+    "GRADIENT_ESTIMATORS",
     "AlphaEMA",
+    "AlphaFit",
+    "Backend",
+    "Baseline",
     "BaselineEMA",
+    "Direction",
+    "EstimateDetails",
+    "Estimator",
+    "Grad",
     "GradAudit",
+    "GradientEstimator",
     "KLDiagnostics",
     "KLGradientWarning",
-    "LogitsKL",
+    "Level",
+    "LogitsDetails",
     "PenaltyDetails",
+    "Reduction",
     "ValueAudit",
+    "WithDetails",
     "aggregate",
     "audit_grad",
     "audit_value",
@@ -48,6 +79,7 @@ __all__ = [
     "cv",
     "decouple",
     "f_divergence",
+    "get_default_validate",
     "k1",
     "k2",
     "k3",
@@ -57,4 +89,5 @@ __all__ = [
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
     "kl_penalty",
+    "set_default_validate",
 ]

@@ -1,50 +1,173 @@
-"""Argument validation with clear errors.
+"""Every argument check of klest, with errors that name the argument and the shapes.
 
-Every public entry point of klest validates its tensors here, so a bad call fails with a
-``TypeError`` / ``ValueError`` that names the argument (and both shapes, for a mismatch)
-instead of returning a silent NaN.
+Two kinds of checks:
+
+- *structural* (types, shapes, devices, dtypes, names): plain Python on tensor metadata, free,
+  always on;
+- *value* checks (NaN / inf, log-probs above 0, masks that are not 0/1, label ranges, logits rows
+  with no distribution, non-finite gradient surrogates): each is a reduction on the device. They
+  are collected in a :class:`ValueChecks` and read back together, so a call makes at most one
+  host synchronisation for them, and none when validation is off (``validate=False``, or
+  :func:`set_default_validate` ``(False)``, as ``torch.distributions`` does with
+  ``validate_args``).
+
+A failed value check raises a ``ValueError`` that names the argument, counts the bad positions
+and gives the first one; only then are more synchronisations spent on the message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import math
+from collections.abc import Callable
+from typing import Any, get_args
 
 import torch
 from torch import Tensor
 
-DIRECTIONS = ("pi||ref", "ref||pi")
+from klest._types import Direction
+
+_default_validate = True
 
 
-def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
-    """Return ``value`` if it is one of ``choices``; else raise naming the argument."""
-    choices = tuple(choices)
-    if not isinstance(value, str) or value not in choices:
+def set_default_validate(value: bool) -> None:
+    """Turn klest's value checks on (the default) or off for calls that pass ``validate=None``.
+
+    Off, a call makes no host synchronisation for checks: bad input (NaN log-probs, say) gives
+    NaN results instead of an error. Structural checks (shapes, dtypes, names) always run.
+    """
+    global _default_validate
+    if not isinstance(value, bool):
+        raise TypeError(f"value must be a bool, got {type(value).__name__}")
+    _default_validate = value
+
+
+def get_default_validate() -> bool:
+    """Whether calls with ``validate=None`` run the value checks (:func:`set_default_validate`)."""
+    return _default_validate
+
+
+def resolve_validate(validate: bool | None) -> bool:
+    """A call's ``validate=`` argument, with ``None`` meaning the global default."""
+    if validate is None:
+        return _default_validate
+    if not isinstance(validate, bool):
+        raise TypeError(f"validate must be a bool or None, got {type(validate).__name__}")
+    return validate
+
+
+class ValueChecks:
+    """Value checks collected during a call and read back with one host synchronisation.
+
+    ``add(flags, message)`` registers a boolean tensor that must be all False and a function
+    that builds the error message from it; :meth:`run` reads every ``flags.any()`` at once and
+    raises for the first failed check, in the order they were added. When disabled, ``add``
+    records nothing and ``run`` does nothing.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self._items: list[tuple[Tensor, Callable[[Tensor], str]]] = []
+
+    def add(self, flags: Tensor, message: Callable[[Tensor], str]) -> None:
+        if self.enabled:
+            self._items.append((flags.detach(), message))
+
+    def run(self) -> None:
+        if not self._items:
+            return
+        device = self._items[0][0].device
+        with torch.no_grad():
+            anys = torch.stack([f.any().to(device) for f, _ in self._items]).tolist()
+        items, self._items = self._items, []
+        for failed, (flags, message) in zip(anys, items, strict=True):
+            if failed:
+                raise ValueError(message(flags))
+
+
+def first_bad(flags: Tensor) -> str:
+    """``"N position(s) (first at index (i, j))"`` for a boolean tensor with a True."""
+    first = tuple(flags.nonzero()[0].tolist())
+    return f"{int(flags.sum())} position(s) (first at index {first})"
+
+
+# -- names --------------------------------------------------------------------------------------
+
+
+def check_choice(name: str, value: object, choices: Any) -> str:
+    """``value`` if it is one of ``choices`` (a ``Literal`` alias or a tuple of names)."""
+    allowed = get_args(choices) or tuple(choices)
+    if not isinstance(value, str) or value not in allowed:
         raise ValueError(
-            f"unknown {name} {value!r}; expected one of {', '.join(map(repr, choices))}"
+            f"unknown {name} {value!r}; expected one of {', '.join(map(repr, allowed))}"
         )
     return value
 
 
-def check_direction(direction: object) -> str:
-    """Validate a KL direction spelled by its arguments: ``"pi||ref"`` or ``"ref||pi"``."""
-    return check_choice("direction", direction, DIRECTIONS)
+def check_direction(direction: object) -> Direction:
+    """A KL direction spelled by its arguments: ``"pi||ref"`` or ``"ref||pi"``."""
+    return check_choice("direction", direction, Direction)  # type: ignore[return-value]
 
 
-def check_float_tensor(name: str, x: object) -> Tensor:
-    """A non-empty floating-point tensor, or a TypeError/ValueError naming ``name``."""
+def other_direction(direction: Direction) -> Direction:
+    return "ref||pi" if direction == "pi||ref" else "pi||ref"
+
+
+def check_flag(name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return value
+
+
+def check_positive_int(name: str, value: object, *, allow_none: bool = True) -> int | None:
+    """A positive int (or None when allowed), else a ValueError naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int{' (or None)' * allow_none}, got {value!r}")
+    return value
+
+
+def check_decay(decay: object) -> float:
+    """A moving-average decay in ``[0, 1)``."""
+    if isinstance(decay, bool) or not isinstance(decay, int | float) or not 0.0 <= decay < 1.0:
+        raise ValueError(f"decay must be a number in [0, 1), got {decay!r}")
+    return float(decay)
+
+
+def check_temperature(temperature: object) -> float:
+    """A finite temperature ``> 0``, as a float."""
+    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    return float(temperature)
+
+
+# -- tensors: structure -------------------------------------------------------------------------
+
+
+def check_tensor(name: str, x: object) -> Tensor:
     if not isinstance(x, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if not x.is_floating_point():
-        raise TypeError(
-            f"{name} must have a floating-point dtype (log-probabilities), got {x.dtype}"
-        )
-    if x.numel() == 0:
-        raise ValueError(f"{name} is empty (shape {tuple(x.shape)})")
+    return x
+
+
+def check_float_tensor(
+    name: str, x: object, *, what: str = "log-probabilities", dtypes: tuple | None = None
+) -> Tensor:
+    """A floating-point tensor (of one of ``dtypes`` when given), else a TypeError naming it."""
+    x = check_tensor(name, x)
+    if dtypes is None and not x.is_floating_point():
+        raise TypeError(f"{name} must have a floating-point dtype ({what}), got {x.dtype}")
+    if dtypes is not None and x.dtype not in dtypes:
+        names = [str(d).removeprefix("torch.") for d in dtypes]
+        allowed = names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
+        raise TypeError(f"{name} must be {allowed} ({what}), got {x.dtype}")
     return x
 
 
 def check_same_shape(**tensors: Tensor | None) -> None:
-    """Raise if the given tensors (``None`` skipped) do not all have the same shape."""
+    """Raise if the given tensors (``None`` skipped) differ in shape or device."""
     named = [(n, t) for n, t in tensors.items() if t is not None]
     first_name, first = named[0]
     for name, t in named[1:]:
@@ -53,9 +176,15 @@ def check_same_shape(**tensors: Tensor | None) -> None:
                 f"{first_name} has shape {tuple(first.shape)} but {name} has shape "
                 f"{tuple(t.shape)}; they must match"
             )
-        if t.device != first.device:
+        check_same_device(**{first_name: first, name: t})
+
+
+def check_same_device(**tensors: Tensor | None) -> None:
+    named = [(n, t) for n, t in tensors.items() if t is not None]
+    for name, t in named[1:]:
+        if t.device != named[0][1].device:
             raise ValueError(
-                f"{first_name} is on {first.device} but {name} is on {t.device}; "
+                f"{named[0][0]} is on {named[0][1].device} but {name} is on {t.device}; "
                 "they must be on the same device"
             )
 
@@ -69,76 +198,24 @@ def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
     return dtype
 
 
-def check_mask(mask: object, shape: torch.Size, device: torch.device) -> Tensor:
-    """A boolean mask of ``shape`` (True = keep); accepts bool or 0/1 numeric tensors."""
-    if not isinstance(mask, Tensor):
-        raise TypeError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+def check_mask(
+    mask: object, shape: torch.Size, device: torch.device, checks: ValueChecks, *, of: str
+) -> Tensor:
+    """A boolean mask of ``shape`` (True = keep) from a bool or 0/1 numeric tensor."""
+    mask = check_tensor("mask", mask)
     if mask.shape != shape:
-        raise ValueError(
-            f"mask has shape {tuple(mask.shape)} but the log-probs have shape {tuple(shape)}"
-        )
+        raise ValueError(f"mask has shape {tuple(mask.shape)} but {of} have shape {tuple(shape)}")
     if mask.device != device:
-        raise ValueError(f"mask is on {mask.device} but the log-probs are on {device}")
+        raise ValueError(f"mask is on {mask.device} but {of} are on {device}")
     if mask.dtype == torch.bool:
         return mask
     if mask.is_complex():
         raise TypeError(f"mask must be bool or 0/1 numeric, got {mask.dtype}")
-    bad = (mask != 0) & (mask != 1)
-    if bool(bad.any()):
-        raise ValueError("mask must contain only 0 and 1 (or be a bool tensor)")
+    checks.add(
+        (mask != 0) & (mask != 1),
+        lambda flags: f"mask must hold only 0 and 1 (or be a bool tensor); {first_bad(flags)}",
+    )
     return mask != 0
-
-
-def check_rows_not_empty(mask: Tensor, *, sequences: bool = True) -> None:
-    """Raise if any row of ``[rows, T]`` is entirely masked.
-
-    For ``sequences=False`` (a 1-D input of independent samples) only an all-masked input is an
-    error: dropping single samples is what a mask is for.
-    """
-    if not sequences:
-        if not bool(mask.any()):
-            raise ValueError("mask leaves no valid sample")
-        return
-    row_has_token = mask.any(dim=-1)
-    if not bool(row_has_token.all()):
-        empty = (~row_has_token).nonzero().tolist()
-        shown = ", ".join(str(tuple(i)) for i in empty[:5])
-        more = f" and {len(empty) - 5} more" if len(empty) > 5 else ""
-        raise ValueError(
-            f"mask leaves {len(empty)} row(s) with no valid token (rows {shown}{more}); "
-            "drop those rows before estimating"
-        )
-
-
-def _first_index(flags: Tensor) -> tuple[int, ...]:
-    return tuple(flags.nonzero()[0].tolist())
-
-
-def check_log_probs(
-    name: str, x: Tensor, mask: Tensor | None, *, allow_neg_inf: bool, role: str
-) -> None:
-    """Reject NaN and +inf everywhere the mask keeps; reject -inf unless ``allow_neg_inf``.
-
-    ``role`` explains in the message why -inf is impossible (e.g. "a sample pi cannot produce").
-    """
-    with torch.no_grad():
-        keep = torch.ones_like(x, dtype=torch.bool) if mask is None else mask
-        for flags, what in (
-            (torch.isnan(x) & keep, "NaN"),
-            ((x == float("inf")) & keep, "+inf"),
-        ):
-            if bool(flags.any()):
-                raise ValueError(
-                    f"{name} contains {what} at {int(flags.sum())} position(s) "
-                    f"(first at index {_first_index(flags)})"
-                )
-        if not allow_neg_inf:
-            flags = (x == float("-inf")) & keep
-            if bool(flags.any()):
-                raise ValueError(
-                    f"{name} is -inf at {int(flags.sum())} position(s) (first at index "
-                    f"{_first_index(flags)}): {role}; mask such positions out"
-                )
 
 
 def check_int_ids(
@@ -152,7 +229,7 @@ def check_int_ids(
     if ids.shape != shape:
         raise ValueError(
             f"{name} has shape {tuple(ids.shape)} but {of} have shape {tuple(shape)}; "
-            f"give one id per entry"
+            "give one id per entry"
         )
     if ids.device != device:
         raise ValueError(f"{name} is on {ids.device} but {of} are on {device}")
@@ -164,3 +241,159 @@ def check_group(group: object, shape: torch.Size, device: torch.device) -> Tenso
     rows_shape = shape[:-1] if len(shape) >= 2 else shape
     of = f"the rows (sequences) of the log-probs of shape {tuple(shape)}"
     return check_int_ids("group", group, rows_shape, device, of=of).reshape(-1)
+
+
+# -- tensors: values ----------------------------------------------------------------------------
+
+# Log-probs above these come from no distribution's rounding: float32 / float64 math rounds a
+# log-prob near 0 by ~1e-7; bf16 / fp16 log-probs computed in their own precision can be off by a
+# few ulps of the logits (2^-8 relative for bf16), i.e. up to ~0.06 for logits ~ 10.
+_POSITIVE_LOGP_TOL = {torch.bfloat16: 2.0**-4, torch.float16: 2.0**-4}
+_POSITIVE_LOGP_TOL_DEFAULT = 1e-3
+
+
+def _what_was_passed(x: Tensor, keep: Tensor) -> str:
+    kept = x[keep]
+    if bool(((kept >= 0) & (kept <= 1)).all()):
+        return "probabilities (every value in [0, 1])? Pass their log"
+    if bool((kept >= 0).all()):
+        return "negative log-likelihoods (every value >= 0)? Pass their negation"
+    return "raw logits or scores? Pass log_softmax(logits) gathered at the sampled tokens"
+
+
+def check_log_probs(
+    name: str,
+    x: Tensor,
+    keep: Tensor | None,
+    checks: ValueChecks,
+    *,
+    allow_neg_inf: bool,
+    role: str = "",
+) -> None:
+    """Queue the checks of log-probs at the kept positions: no NaN, no +inf, none above 0
+    (beyond rounding), and no -inf unless ``allow_neg_inf`` (``role`` says why it is impossible).
+    """
+    if not checks.enabled:
+        return
+    k = torch.ones_like(x, dtype=torch.bool) if keep is None else keep
+    checks.add(torch.isnan(x) & k, lambda f: f"{name} contains NaN at {first_bad(f)}")
+    checks.add((x == math.inf) & k, lambda f: f"{name} contains +inf at {first_bad(f)}")
+    tol = _POSITIVE_LOGP_TOL.get(x.dtype, _POSITIVE_LOGP_TOL_DEFAULT)
+    checks.add(
+        (x > tol) & k,
+        lambda f: (
+            f"{name} has values above 0 at {first_bad(f)}, largest {float(x[k].max()):.4g}: "
+            f"log-probabilities are <= 0. Were these {_what_was_passed(x, k)}"
+        ),
+    )
+    if not allow_neg_inf:
+        checks.add(
+            (x == -math.inf) & k,
+            lambda f: f"{name} is -inf at {first_bad(f)}: {role}; mask such positions out",
+        )
+
+
+def check_finite_surrogate(surrogate: Tensor, checks: ValueChecks, explain: Callable[[], str]):
+    """Queue: the gradient surrogate is finite (else its gradient, and the loss, would be NaN)."""
+    checks.add(~torch.isfinite(surrogate), lambda _: explain())
+
+
+# -- logits -------------------------------------------------------------------------------------
+
+
+def check_logits_pair(
+    logits: object,
+    logits_ref: object,
+    *,
+    names: tuple[str, str] = ("logits", "logits_ref"),
+    dtypes: tuple | None = None,
+    matrix: bool = False,
+    what: str = "logits",
+) -> tuple[Tensor, Tensor]:
+    """Two float tensors ``[..., V]`` (``[N, V]`` when ``matrix``) of one shape and device."""
+    for name, t in zip(names, (logits, logits_ref), strict=True):
+        t = check_float_tensor(name, t, what=what, dtypes=dtypes)
+        if t.dim() < 1 or t.shape[-1] == 0 or (matrix and t.dim() != 2):
+            want = "[N, V]" if matrix else "[..., V]"
+            raise ValueError(f"{name} must be {want} with V >= 1, got shape {tuple(t.shape)}")
+    assert isinstance(logits, Tensor) and isinstance(logits_ref, Tensor)
+    if logits.shape != logits_ref.shape:
+        raise ValueError(
+            f"{names[0]} has shape {tuple(logits.shape)} but {names[1]} has shape "
+            f"{tuple(logits_ref.shape)}; they must match (same positions, same vocabulary V)"
+        )
+    check_same_device(**{names[0]: logits, names[1]: logits_ref})
+    return logits, logits_ref
+
+
+def check_labels(
+    labels: object,
+    lead: torch.Size,
+    device: torch.device,
+    checks: ValueChecks,
+    *,
+    vocab_size: int,
+    ignore_index: int,
+) -> Tensor:
+    """Token ids, one per position, in ``[0, vocab_size)`` or ``ignore_index``; returned flat."""
+    labels = check_int_ids("labels", labels, lead, device, of="the logits' positions")
+    flat = labels.reshape(-1).to(torch.int64)
+    checks.add(
+        ((flat < 0) | (flat >= vocab_size)) & (flat != ignore_index),
+        lambda f: (
+            f"labels has {int(f.sum())} id(s) outside [0, {vocab_size}) that are not "
+            f"ignore_index={ignore_index} (first: {int(flat[f][0])})"
+        ),
+    )
+    return flat
+
+
+def check_rows_have_distributions(
+    lse_z: Tensor, lse_y: Tensor, keep: Tensor | None, checks: ValueChecks
+) -> None:
+    """Queue: every kept row of both logits has a distribution (a finite log-normalizer).
+
+    A row with NaN or ``+inf`` entries, or with every entry ``-inf``, has none.
+    """
+    for name, lse in (("logits", lse_z), ("logits_ref", lse_y)):
+        bad = ~torch.isfinite(lse)
+        if keep is not None:
+            bad = bad & keep
+
+        def message(flags: Tensor, name: str = name) -> str:
+            return (
+                f"{name} has {int(flags.sum())} row(s) with NaN or +inf entries, or with every "
+                f"entry -inf (no distribution); first at flat row "
+                f"{int(flags.nonzero()[0, 0])}. Mask such rows out"
+            )
+
+        checks.add(bad, message)
+
+
+def check_linear(suffix: str, hidden: object, weight: object, bias: object) -> None:
+    """``hidden [..., H]``, ``weight [V, H]`` and an optional ``bias [V]`` of one LM head."""
+    h = check_float_tensor(f"hidden{suffix}", hidden, what="hidden states")
+    w = check_float_tensor(f"weight{suffix}", weight, what="LM-head weights")
+    if w.dim() != 2:
+        raise ValueError(f"weight{suffix} must be [V, H], got shape {tuple(w.shape)}")
+    if h.dim() < 1 or h.shape[-1] != w.shape[1]:
+        raise ValueError(
+            f"hidden{suffix} has shape {tuple(h.shape)} but weight{suffix} has shape "
+            f"{tuple(w.shape)}; hidden{suffix}'s last dim must equal weight{suffix}'s H"
+        )
+    if bias is not None and (not isinstance(bias, Tensor) or bias.shape != (w.shape[0],)):
+        raise ValueError(
+            f"bias{suffix} must be a tensor of shape ({w.shape[0]},), got "
+            f"{tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__}"
+        )
+    check_same_device(**{f"hidden{suffix}": h, f"weight{suffix}": w})
+
+
+def check_row_vector(name: str, t: object, n: int, device: torch.device) -> Tensor:
+    """A float ``[n]`` tensor on ``device``, returned contiguous float32 (kernel arguments)."""
+    t = check_float_tensor(name, t, what="one value per row")
+    if t.shape != (n,):
+        raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({n},), one per row")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device} but the logits are on {device}")
+    return t.to(torch.float32).contiguous()

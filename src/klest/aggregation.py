@@ -1,32 +1,51 @@
-"""Token -> sequence -> batch aggregation with masks, and the diagnostics of an estimate.
+r"""Token -> sequence -> batch: the one layout and reduction rule of every klest function.
 
-Layout convention, used by every klest function that takes per-token values:
+Layout. An input of shape ``[..., T]`` with at least two dimensions holds sequences: the last
+dimension is tokens and every leading index is one sequence (a *row*). A 1-D input ``[N]`` holds
+N independent samples (each a row with a single token). ``mask`` (True or 1 = the token counts)
+has the input's shape.
 
-- an input of shape ``[..., T]`` with ``ndim >= 2`` holds sequences: the last dim is tokens and
-  every leading index is one sequence (a *row*);
-- a 1-D input ``[N]`` holds N independent samples (each a row with a single token).
+Reductions, the same in :func:`klest.kl_estimate`, :func:`klest.kl_penalty`,
+:func:`klest.kl_from_logits` and every other function that takes per-token input (the first
+five names are verl's):
 
-Reductions (the names verl users know):
+========================  ====================================================================
+``"seq-mean-token-sum"``  mean over sequences of each sequence's token sum: the sequence-level
+                          KL (the default everywhere)
+``"token-mean"``          sum over valid tokens / number of valid tokens
+``"seq-mean-token-mean"`` mean over sequences of each sequence's token mean
+``"sum"``                 sum over valid tokens
+``"per-sequence"``        each sequence's token sum, shape ``[...]`` (``[N]`` for 1-D input)
+``"none"``                per-token values, shape ``[..., T]``, 0 at masked positions
+========================  ====================================================================
 
-========================  ==================================================================
-``"none"``                per-token values, masked positions set to 0
-``"token-mean"``          sum of valid values / number of valid tokens
-``"seq-mean-token-sum"``  mean over rows of the per-row sum: the sequence-level KL estimate
-``"seq-mean-token-mean"`` mean over rows of the per-row mean
-``"sum"``                 sum of all valid values
-========================  ==================================================================
+Trainer batches: a row with no valid token (all padding, a truncated completion that a trainer
+masks out, labels all ``ignore_index``) contributes nothing: 0 under ``"none"`` and
+``"per-sequence"``, and it is not counted by the means. A batch with no valid token at all gives
+0, with a zero gradient. Means divide by counts clamped at 1, so none of this synchronises with
+the device.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 from torch import Tensor
 
-from klest._checks import check_choice, check_float_tensor, check_mask, check_rows_not_empty
+from klest._checks import (
+    ValueChecks,
+    check_choice,
+    check_float_tensor,
+    check_mask,
+    resolve_validate,
+)
+from klest._types import DEFAULT_REDUCTION, Reduction
 
-REDUCTIONS = ("none", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "sum")
+MEAN_REDUCTIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+SEQUENCE_REDUCTIONS = ("per-sequence", "seq-mean-token-sum", "sum")
+"""The reductions that apply to one value per sequence (``level="sequence"``)."""
 
 
 def as_rows(x: Tensor) -> Tensor:
@@ -34,88 +53,171 @@ def as_rows(x: Tensor) -> Tensor:
     return x.reshape(-1, 1) if x.ndim <= 1 else x.reshape(-1, x.shape[-1])
 
 
-def reduce_rows(values: Tensor, valid: Tensor, reduction: str, shape: torch.Size) -> Tensor:
-    """Reduce ``[rows, T]`` values whose masked positions are already 0.
+def sequence_shape(shape: torch.Size) -> torch.Size:
+    """The shape of one value per row: ``shape[:-1]`` for sequences, ``shape`` for samples."""
+    return shape[:-1] if len(shape) >= 2 else shape
 
-    ``shape`` is the caller's original shape, restored for ``reduction="none"``.
+
+def reduce_rows(values: Tensor, valid: Tensor, reduction: str, shape: torch.Size) -> Tensor:
+    """Reduce ``[rows, T]`` values whose invalid positions are already 0 (module docstring).
+
+    ``shape`` is the caller's layout (``[..., T]`` or ``[N]``): ``"none"`` restores it and
+    ``"per-sequence"`` gives :func:`sequence_shape` of it.
     """
     if reduction == "none":
         return values.reshape(shape)
     if reduction == "sum":
         return values.sum()
     if reduction == "token-mean":
-        return values.sum() / valid.sum()
+        return values.sum() / valid.sum().clamp(min=1)
     per_row = values.sum(-1)
+    if reduction == "per-sequence":
+        return per_row.reshape(sequence_shape(shape))
     if reduction == "seq-mean-token-mean":
-        per_row = per_row / valid.sum(-1)
-    return per_row.mean()
+        per_row = per_row / valid.sum(-1).clamp(min=1)
+    return per_row.sum() / valid.any(-1).sum().clamp(min=1)
 
 
 def aggregate(
-    values: Tensor, *, mask: Tensor | None = None, reduction: str = "token-mean"
+    values: Tensor,
+    *,
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    validate: bool | None = None,
 ) -> Tensor:
-    """Aggregate per-token values over tokens, sequences and the batch.
+    r"""Reduce per-token values over tokens, sequences and the batch, by the one rule of klest.
+
+    .. math::
+        \text{seq-mean-token-sum} = \frac{1}{|\{b: n_b > 0\}|}\sum_b \sum_t m_{bt} v_{bt},
+        \qquad \text{token-mean} = \frac{\sum_{b,t} m_{bt} v_{bt}}{\sum_{b,t} m_{bt}}
+
+    with :math:`m` the mask and :math:`n_b` the valid tokens of row :math:`b`; the other
+    reductions are in the table of :mod:`klest.aggregation`.
 
     Args:
       values: per-token values, ``[..., T]`` (rows of tokens) or ``[N]`` (independent samples).
-      mask: same shape, True (or 1) where a token counts; every row must keep a token.
-      reduction: one of ``"none"``, ``"token-mean"``, ``"seq-mean-token-sum"``,
-        ``"seq-mean-token-mean"``, ``"sum"`` (see the module docstring).
+      mask: same shape, True (or 1) where a token counts. Rows may be empty.
+      reduction: see the table; default ``"seq-mean-token-sum"``.
+      validate: check the mask holds only 0/1 (None: the global default).
 
     Returns:
-      A scalar, or ``values`` with masked positions zeroed for ``reduction="none"``.
+      A scalar; ``[...]`` for ``"per-sequence"``; ``values`` with masked positions zeroed for
+      ``"none"``.
+
+    Example:
+      >>> v = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
+      >>> m = torch.tensor([[1, 1, 1], [1, 0, 0]])
+      >>> aggregate(v, mask=m)  # (6 + 4) / 2 sequences
+      tensor(5.)
+      >>> aggregate(v, mask=m, reduction="token-mean")  # 10 / 4 tokens
+      tensor(2.5000)
     """
-    check_float_tensor("values", values)
-    check_choice("reduction", reduction, REDUCTIONS)
+    check_float_tensor("values", values, what="per-token values")
+    check_choice("reduction", reduction, Reduction)
+    checks = ValueChecks(resolve_validate(validate))
     rows = as_rows(values)
     if mask is None:
         valid = torch.ones_like(rows, dtype=torch.bool)
     else:
-        valid = as_rows(check_mask(mask, values.shape, values.device))
-        check_rows_not_empty(valid, sequences=values.ndim >= 2)
+        valid = as_rows(check_mask(mask, values.shape, values.device, checks, of="values"))
+    checks.run()
     rows = torch.where(valid, rows, torch.zeros_like(rows))
     return reduce_rows(rows, valid, reduction, values.shape)
 
 
-@dataclass(frozen=True)
-class KLDiagnostics:
-    """Summary statistics of an estimate, for logging.
+class KLDiagnostics(NamedTuple):
+    """Summary statistics of an estimate, for logging (Python numbers).
 
     Attributes:
-      mean: mean of the per-unit estimates (the estimate for the mean reductions).
-      stderr: standard error of that mean, ``std / sqrt(n_units)``, treating units as independent.
-      frac_negative: fraction of valid per-token values below zero (k1 is negative about half
-        the time; k3 never is).
-      n_units: number of units: rows (sequences) for the ``seq-*`` reductions and for
-        ``level="sequence"``, valid tokens otherwise.
-      alpha: mean fitted control-variate coefficient, when one was fitted.
+      mean: mean of the units; for the mean reductions it is the returned value.
+      stderr: standard error of that mean, ``std / sqrt(n_units)``, treating units as
+        independent (NaN with fewer than 2 units).
+      frac_negative: fraction of the valid per-token values below zero (per sequence for
+        ``level="sequence"``): k1 is negative about half the time, k3 never.
+      n_units: the units averaged: valid sequences for ``"seq-mean-*"`` and ``"per-sequence"``,
+        valid tokens for the other reductions.
+      n_empty_rows: rows (sequences, or masked samples of a 1-D input) with no valid token.
+      alpha: mean control-variate coefficient over the rows, when one was used (else None).
     """
 
     mean: float
     stderr: float
     frac_negative: float
     n_units: int
+    n_empty_rows: int
     alpha: float | None = None
 
 
 def diagnostics(
     values: Tensor, valid: Tensor, *, reduction: str, alpha: Tensor | None = None
 ) -> KLDiagnostics:
-    """Diagnostics of ``[rows, T]`` values (masked positions 0); units follow ``reduction``."""
+    """Diagnostics of ``[rows, T]`` values (0 where not valid); units follow ``reduction``.
+
+    One host synchronisation (all numbers are read back together).
+    """
     with torch.no_grad():
         v = values.detach().double()
-        if reduction == "seq-mean-token-sum":
-            units = v.sum(-1)
+        nonempty = valid.any(-1)
+        if reduction in ("seq-mean-token-sum", "per-sequence"):
+            units, counted = v.sum(-1), nonempty
         elif reduction == "seq-mean-token-mean":
-            units = v.sum(-1) / valid.sum(-1)
+            units, counted = v.sum(-1) / valid.sum(-1).clamp(min=1), nonempty
         else:
-            units = v[valid]
-        n = units.numel()
-        std = units.std() if n > 1 else torch.tensor(float("nan"))
-        return KLDiagnostics(
-            mean=float(units.mean()),
-            stderr=float(std / n**0.5),
-            frac_negative=float((v[valid] < 0).double().mean()),
-            n_units=n,
-            alpha=None if alpha is None else float(alpha.double().mean()),
-        )
+            units, counted = v, valid
+        n = counted.sum().double()
+        mean = torch.where(counted, units, 0.0).sum() / n.clamp(min=1)
+        var = torch.where(counted, (units - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1)
+        stderr = torch.where(n > 1, (var / n.clamp(min=1)).sqrt(), math.nan)
+        frac_negative = (valid & (v < 0)).sum() / valid.sum().clamp(min=1)
+        coef = math.nan if alpha is None else alpha.detach().double().mean()
+        numbers = torch.stack(
+            [
+                mean,
+                stderr,
+                frac_negative.double(),
+                n,
+                (~nonempty).sum().double(),
+                torch.as_tensor(coef, dtype=torch.float64, device=v.device),
+            ]
+        ).tolist()
+    return KLDiagnostics(
+        mean=numbers[0],
+        stderr=numbers[1],
+        frac_negative=numbers[2],
+        n_units=int(numbers[3]),
+        n_empty_rows=int(numbers[4]),
+        alpha=None if alpha is None else numbers[5],
+    )
+
+
+def group_keys(group: Tensor) -> Tensor:
+    """For each row, the index of the first row of its group: ``[rows]`` keys in ``[0, rows)``.
+
+    Rows with equal ids share a key, so ``index_add_`` into ``rows`` bins pools each group;
+    sorting instead of ``torch.unique`` keeps it free of host synchronisations.
+    """
+    rows = group.numel()
+    if rows == 0:
+        return group.to(torch.int64)
+    sorted_ids, order = torch.sort(group, stable=True)
+    starts = torch.ones(rows, dtype=torch.bool, device=group.device)
+    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    positions = torch.arange(rows, device=group.device)
+    start_of = torch.cummax(torch.where(starts, positions, 0), 0).values
+    keys = torch.empty_like(order)
+    keys[order] = order[start_of]
+    return keys
+
+
+D = TypeVar("D")
+
+
+class WithDetails(NamedTuple, Generic[D]):
+    """What every klest function returns with ``return_details=True``: ``(value, details)``.
+
+    ``value`` is what the call returns without the flag; ``details`` is the function's own
+    details type, and every one of them has a ``diagnostics`` (:class:`KLDiagnostics`).
+    """
+
+    value: Tensor
+    details: D

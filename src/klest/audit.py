@@ -24,7 +24,8 @@ import torch
 from torch import Tensor
 
 from klest._checks import check_choice, check_direction
-from klest.estimators import ESTIMATORS, kl_estimate, per_token_values
+from klest._types import Estimator
+from klest.estimators import kl_estimate, per_token_values
 from klest.testbeds.base import Sample, Testbed, make_generator
 
 EstimateFn = Callable[[Sample], Tensor]
@@ -63,7 +64,7 @@ class EstimatorSpec:
     @classmethod
     def parse(cls, spec: str, *, level: str = "token") -> EstimatorSpec:
         name, _, arg = spec.partition(":")
-        check_choice("estimator", name, ESTIMATORS)
+        check_choice("estimator", name, ("k1", "k2", "k3", "abs", "cv"))
         if name != "cv":
             if arg:
                 raise ValueError(f"estimator {name!r} takes no argument, got {spec!r}")
@@ -101,7 +102,7 @@ class EstimatorSpec:
         self, sample: Sample, direction: str, *, alpha: object = None, group: Tensor | None = None
     ) -> Tensor:
         """The estimate of each row (a sequence's token sum), ``[rows]``."""
-        values = kl_estimate(
+        return kl_estimate(
             sample.logp,
             sample.logp_ref,
             estimator=self.estimator,
@@ -109,10 +110,9 @@ class EstimatorSpec:
             alpha=self.alpha if alpha is None else alpha,
             mask=sample.mask,
             level=self.level,
-            reduction="none",
+            reduction="per-sequence",
             group=group,
         )
-        return values.sum(-1) if values.ndim >= 2 else values
 
     def exact_mean(self, testbed: Testbed, direction: str) -> float | None:
         """The estimator's exact expectation on ``testbed``, when computable."""
@@ -286,18 +286,18 @@ class GradSpec:
 
     @classmethod
     def parse(cls, spec: str) -> GradSpec:
-        from klest.penalty import GRADS, VALUES
+        from klest.penalty import GRADIENT_ESTIMATORS
 
         value_part, sep, grad_part = spec.partition("/")
         if not sep:
             raise ValueError(f"gradient spec {spec!r} must look like 'k3/cumulative[+loo]'")
         value = value_part.partition(":")[0]
-        check_choice("value", value, VALUES)
+        check_choice("estimator", value, Estimator)
         alpha = None
         if value == "cv":
             alpha = EstimatorSpec.parse(value_part).alpha
         grad, _, baseline = grad_part.partition("+")
-        check_choice("grad", grad, GRADS)
+        check_choice("grad", grad, tuple(GRADIENT_ESTIMATORS))
         if baseline:
             check_choice("baseline", baseline, ("loo", "mean", "ema"))
         return cls(value, grad, baseline or None, alpha)
@@ -311,7 +311,7 @@ class GradSpec:
         import warnings
 
         from klest.control_variates import AlphaEMA
-        from klest.penalty import KLGradientWarning, kl_penalty
+        from klest.penalty import GRADIENT_ESTIMATORS, KLGradientWarning, kl_penalty
         from klest.surrogates import BaselineEMA
 
         baseline: object = BaselineEMA() if self.baseline == "ema" else self.baseline
@@ -324,7 +324,9 @@ class GradSpec:
                     sample.logp,
                     sample.logp_ref,
                     mask=sample.mask,
-                    value=self.value,
+                    estimator=self.value,
+                    reparameterized=sample.reparameterized
+                    and GRADIENT_ESTIMATORS[self.grad].samples != "sampled",
                     grad=self.grad,
                     baseline=baseline,
                     direction=direction,

@@ -9,14 +9,16 @@ samples it is applied to correlates alpha with the samples and biases the estima
 - within groups of rows when ``group`` ids are given (e.g. the samples of one prompt),
 - with :class:`AlphaEMA`: from an exponential moving average of earlier batches' moments,
 
-and offers ``"in-sample"`` (the seed's recipe, slightly biased) for comparison.
+and offers ``"in-sample"`` (fitted on the same rows: biased) for comparison. A group of one row
+has no other rows to fit on: its coefficient is 0 (k1 itself), which keeps it unbiased.
 
 A *row* is the unit left out: one sample of a 1-D input, one sequence (all its tokens) of an
 input shaped ``[..., T]``. Tokens of one sequence depend on each other, so leaving out single
 tokens would not make alpha independent of the tokens it multiplies.
 
-See "A control variate that actually helps" (seed 001 in ``shared/seeds``) and Schulman,
-"Approximating KL Divergence" (http://joschu.net/blog/kl-approx.html).
+The control variate is ``u = r - 1`` (``E_pi[u] = 0`` because ``E_pi[ref/pi] = 1``), as in an AI
+Tech Inspire article on KL divergence and its Monte Carlo estimation; ``alpha = 1`` is k3 of
+"Approximating KL Divergence" by John Schulman (2020, http://joschu.net/blog/kl-approx.html).
 """
 
 from __future__ import annotations
@@ -24,11 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-from klest._checks import check_choice
-
-ALPHA_FITS = ("loo", "crossfit", "in-sample")
+from klest._checks import check_choice, check_decay
+from klest._types import AlphaFit
 
 
 @dataclass(frozen=True)
@@ -79,18 +80,16 @@ def _alpha(s: _Sums) -> Tensor:
     return torch.where(ok, -cov / torch.where(ok, var, 1.0), 0.0)
 
 
-def _position_in_group(group: Tensor) -> Tensor:
-    """0, 1, 2, ... for the rows of each group, in row order."""
-    sorted_group, order = torch.sort(group, stable=True)
-    first = torch.searchsorted(sorted_group, sorted_group, right=False)
-    pos = torch.empty_like(group)
-    pos[order] = torch.arange(group.numel(), device=group.device) - first
+def _position_in_group(keys: Tensor) -> Tensor:
+    """0, 1, 2, ... for the rows of each group (rows sharing a key), in row order."""
+    sorted_keys, order = torch.sort(keys, stable=True)
+    first = torch.searchsorted(sorted_keys, sorted_keys, right=False)
+    pos = torch.empty_like(keys)
+    pos[order] = torch.arange(keys.numel(), device=keys.device) - first
     return pos
 
 
-def fit_alpha(
-    a: Tensor, b: Tensor, valid: Tensor, method: str, *, group: Tensor | None = None
-) -> Tensor:
+def fit_alpha(a: Tensor, b: Tensor, valid: Tensor, method: AlphaFit, *, keys: Tensor) -> Tensor:
     """Coefficient per row, shape ``[rows]``, detached, float64.
 
     Args:
@@ -98,82 +97,93 @@ def fit_alpha(
       b: zero-mean control variate per token, ``[rows, T]``.
       valid: bool ``[rows, T]``, True where a token counts.
       method: ``"loo"``, ``"crossfit"`` or ``"in-sample"``.
-      group: optional integer ids ``[rows]``: alpha is fitted within each group separately
-        (e.g. the samples of one prompt); by default all rows form one group.
+      keys: ``[rows]`` group keys (:func:`klest.aggregation.group_keys`): alpha is fitted within
+        each group separately (e.g. the samples of one prompt).
     """
-    check_choice("alpha", method, ALPHA_FITS)
+    check_choice("alpha", method, AlphaFit)
     rows = a.shape[0]
-    if group is None:
-        group = torch.zeros(rows, dtype=torch.long, device=a.device)
-    _, group = torch.unique(group, return_inverse=True)
-    n_groups = int(group.max()) + 1
-    if method in ("loo", "crossfit"):
-        sizes = torch.bincount(group, minlength=n_groups)
-        if int(sizes.min()) < 2:
-            raise ValueError(
-                f"alpha={method!r} fits alpha on other rows of the same group and needs at least "
-                f"2 rows per group; the smallest group has {int(sizes.min())}"
-            )
     a, b = a.detach().double(), b.detach().double()
     # Infinite values (a KL that is truly infinite) carry no information about alpha.
     keep = valid & torch.isfinite(a) & torch.isfinite(b)
     a, b = torch.where(keep, a, 0.0), torch.where(keep, b, 0.0)
     raw = _Sums(keep.sum(-1).double(), a.sum(-1), b.sum(-1), a.new_zeros(rows), b.new_zeros(rows))
-    pooled = raw.pool(group, n_groups)
+    pooled = raw.pool(keys, rows)
     count = pooled.n.clamp(min=1.0)
-    ac = torch.where(keep, a - (pooled.a / count)[group].unsqueeze(-1), 0.0)
-    bc = torch.where(keep, b - (pooled.b / count)[group].unsqueeze(-1), 0.0)
+    ac = torch.where(keep, a - (pooled.a / count)[keys].unsqueeze(-1), 0.0)
+    bc = torch.where(keep, b - (pooled.b / count)[keys].unsqueeze(-1), 0.0)
     per_row = _Sums(raw.n, ac.sum(-1), bc.sum(-1), (ac * bc).sum(-1), (bc * bc).sum(-1))
-    totals = per_row.pool(group, n_groups).take(group)
+    totals = per_row.pool(keys, rows).take(keys)
     if method == "in-sample":
         return _alpha(totals)
     if method == "loo":
         return _alpha(totals.minus(per_row))
-    key = group * 2 + _position_in_group(group) % 2
-    own_fold = per_row.pool(key, 2 * n_groups).take(key)
+    fold = keys * 2 + _position_in_group(keys) % 2
+    own_fold = per_row.pool(fold, 2 * rows).take(fold)
     return _alpha(totals.minus(own_fold))
 
 
-class AlphaEMA:
-    """Control-variate coefficient from an exponential moving average over earlier batches.
+class AlphaEMA(nn.Module):
+    r"""Control-variate coefficient from an exponential moving average over earlier batches.
 
-    Each call of an estimator with ``alpha=ema`` uses the coefficient fitted on *previous*
-    batches (so it is independent of the current samples and the estimate stays unbiased),
-    then folds the current batch into the average. Before the first update it returns ``init``.
+    .. math::
+        \alpha_k = -\frac{\widehat{Cov}_{k-1}(k_1, u)}{\widehat{Var}_{k-1}(u)}, \qquad
+        m_k = \gamma\, m_{k-1} + (1 - \gamma)\, \bar m(\text{batch } k)
+
+    for the moments :math:`m = (E[a], E[b], E[ab], E[b^2])` (``a`` = k1, ``b = u``), bias-corrected
+    as in Adam. Each call of an estimator with ``alpha=ema`` uses the coefficient fitted on
+    *previous* batches (independent of the current samples, so the estimate stays unbiased),
+    then folds the current batch in. Before the first batch, and while the batches' ``u`` has no
+    variance, it is ``init``.
+
+    The state lives in buffers (``moments``, ``weight``) on the tensors' device, so it moves with
+    ``.to()``, is saved in ``state_dict`` (a resumed run keeps it) and costs no host copy.
 
     Args:
-      decay: weight of the past in the moving average, in [0, 1).
+      decay: :math:`\gamma`, the weight of the past, in [0, 1).
       init: coefficient used before any batch has been seen (1.0 gives k3).
+
+    Example:
+      >>> ema = AlphaEMA(decay=0.9)
+      >>> logp, logp_ref = torch.randn(64).clamp(max=0), torch.randn(64).clamp(max=0)
+      >>> kl = klest.cv(logp, logp_ref, alpha=ema)  # uses init = 1.0, then learns
+      >>> float(ema.alpha) != 1.0
+      True
     """
 
+    moments: Tensor
+    weight: Tensor
+
     def __init__(self, *, decay: float = 0.9, init: float = 1.0) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = decay
+        super().__init__()
+        self.decay = check_decay(decay)
         self.init = float(init)
-        self._weight = 0.0
-        self._moments = torch.zeros(4, dtype=torch.float64)  # E[a], E[b], E[ab], E[bb]
+        self.register_buffer("moments", torch.zeros(4, dtype=torch.float64))
+        self.register_buffer("weight", torch.zeros((), dtype=torch.float64))
 
     @property
-    def alpha(self) -> float:
-        """The coefficient the next batch will use."""
-        if self._weight == 0.0:
-            return self.init
-        ea, eb, eab, ebb = (self._moments / self._weight).tolist()
+    def alpha(self) -> Tensor:
+        """The coefficient the next batch will use (a float64 scalar tensor)."""
+        ea, eb, eab, ebb = (self.moments / self.weight.clamp(min=1e-300)).unbind()
         var = ebb - eb * eb
-        return -(eab - ea * eb) / var if var > _VAR_RTOL * ebb else self.init
+        ok = (self.weight > 0) & (var > _VAR_RTOL * ebb)
+        return torch.where(ok, -(eab - ea * eb) / torch.where(ok, var, 1.0), self.init)
 
-    def update(self, a: Tensor, b: Tensor, valid: Tensor) -> None:
-        """Fold one batch (``a``, ``b``, ``valid`` as in :func:`fit_alpha`) into the average."""
-        a, b = a.detach().double().cpu(), b.detach().double().cpu()
-        keep = valid.cpu() & torch.isfinite(a) & torch.isfinite(b)
-        if not bool(keep.any()):
-            return
-        a, b = a[keep], b[keep]
-        batch = torch.stack([a.mean(), b.mean(), (a * b).mean(), (b * b).mean()])
-        self._moments = self.decay * self._moments + (1.0 - self.decay) * batch
-        # Bias correction as in Adam: weight = 1 - decay^steps.
-        self._weight = self.decay * self._weight + (1.0 - self.decay)
+    def forward(self, a: Tensor, b: Tensor, valid: Tensor) -> Tensor:
+        """The coefficient for this batch, then fold the batch (as in :func:`fit_alpha`) in."""
+        if self.moments.device != a.device:
+            self.to(a.device)
+        coef = self.alpha
+        with torch.no_grad():
+            a, b = a.detach().double(), b.detach().double()
+            keep = valid & torch.isfinite(a) & torch.isfinite(b)
+            a, b = torch.where(keep, a, 0.0), torch.where(keep, b, 0.0)
+            n = keep.sum().double()
+            batch = torch.stack([a.sum(), b.sum(), (a * b).sum(), (b * b).sum()]) / n.clamp(min=1)
+            seen = n > 0
+            g = self.decay
+            self.moments.copy_(torch.where(seen, g * self.moments + (1 - g) * batch, self.moments))
+            self.weight.copy_(torch.where(seen, g * self.weight + (1 - g), self.weight))
+        return coef
 
-    def __repr__(self) -> str:
-        return f"AlphaEMA(decay={self.decay}, alpha={self.alpha:.4g})"
+    def extra_repr(self) -> str:
+        return f"decay={self.decay}, init={self.init}"

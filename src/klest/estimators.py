@@ -11,23 +11,33 @@ estimator  ``direction="pi||ref"``: KL(pi||ref)         ``direction="ref||pi"``:
 ``k3``     :math:`(r - 1) - \log r` (unbiased, >= 0)    :math:`r \log r - (r - 1)` (unbiased, >= 0)
 ``abs``    :math:`|\delta|` (biased)                    :math:`|r \log r|` (biased)
 ``cv``     ``k1 + alpha (r - 1)``                       ``k1 - alpha (r - 1)``
+``rb``     :math:`KL(\pi_t\|ref_t)` exactly, per        :math:`R_{<t}\, KL(ref_t\|\pi_t)` exactly,
+           position, from the logits                    with the prefix ratio :math:`R_{<t}`
 =========  ==========================================  ==========================================
 
 Both directions are f-divergences :math:`E_\pi[f(r)]` (``f = -log`` and ``f(r) = r log r``); k3 is
 :math:`f(r) - f'(1)(r - 1)` and ``cv`` is :math:`f(r) - \alpha f'(1)(r - 1)`, so ``alpha = 1`` is
-k3 in both directions. :func:`f_divergence` does the same for any f.
+k3 in both directions. :func:`f_divergence` does the same for any f. ``rb`` (Rao-Blackwellized)
+replaces each sampled token's term by its expectation over the next-token distribution, which
+needs the full logits (:func:`klest.kl_from_logits`).
 
 Off-policy (samples from ``behavior``): each value is multiplied by the importance weight
-``w = pi / behavior = exp(logp - logp_behavior)``, and gradients flow through ``w``.
+``w = pi / behavior = exp(logp - logp_behavior)`` (``rb``: by the prefix weight ``W_{<t}``), and
+gradients flow through ``w``.
 
 Sequences: per-token values summed over a sequence (``reduction="seq-mean-token-sum"``) estimate
-the sequence-level KL(pi||ref) for k1, k3 and cv. For KL(ref||pi) the token sum estimates
-:math:`\sum_t E_{y_{<t} \sim \pi} KL(ref_t || pi_t)`, which is *not* the sequence-level
-KL(ref||pi) (the prefixes come from pi, not ref); ``level="sequence"`` applies the estimator to
-the whole-sequence log-ratio instead, which is unbiased for it.
+the sequence-level KL(pi||ref) for k1, k3, cv and rb. For KL(ref||pi) the token sum of k1, k3
+or cv estimates :math:`\sum_t E_{y_{<t} \sim \pi} KL(ref_t || pi_t)`, which is *not* the
+sequence-level KL(ref||pi) (the prefixes come from pi, not ref); ``level="sequence"`` applies the
+estimator to the whole-sequence log-ratio instead, which is unbiased for it (``rb`` is unbiased
+for it either way, through its prefix ratios).
 
-Sources: Schulman, "Approximating KL Divergence" (2020, http://joschu.net/blog/kl-approx.html);
-seed 001 (control variates, fitted coefficient); DESIGN.md section 3.
+References:
+  "Approximating KL Divergence" by John Schulman (2020, http://joschu.net/blog/kl-approx.html):
+  k1, k2, k3. The control variate ``r - 1`` has mean 0 because ``E_pi[ref/pi] = 1``, as an AI
+  Tech Inspire article on KL divergence stresses; its coefficient fitted on other samples is
+  klest's. "Better Estimation of the Kullback-Leibler Divergence Between Language Models" by Afra
+  Amini, Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637): rb.
 """
 
 from __future__ import annotations
@@ -35,31 +45,51 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from klest._checks import (
+    ValueChecks,
     check_choice,
     check_direction,
     check_float_tensor,
     check_group,
     check_log_probs,
     check_mask,
-    check_rows_not_empty,
     check_same_shape,
     compute_dtype,
+    first_bad,
+    resolve_validate,
 )
 from klest._numerics import exp_tail, times_exp, x_exp, xexp_tail
-from klest.aggregation import KLDiagnostics, as_rows, diagnostics, reduce_rows
-from klest.control_variates import ALPHA_FITS, AlphaEMA, fit_alpha
+from klest._types import DEFAULT_REDUCTION, AlphaFit, Direction, Estimator, Level, Reduction
+from klest.aggregation import (
+    SEQUENCE_REDUCTIONS,
+    KLDiagnostics,
+    WithDetails,
+    as_rows,
+    diagnostics,
+    group_keys,
+    reduce_rows,
+)
+from klest.control_variates import AlphaEMA, fit_alpha
+from klest.logits.from_logits import position_kls
+from klest.sequence import prefix_weights
 
-ESTIMATORS = ("k1", "k2", "k3", "abs", "cv")
-LEVELS = ("token", "sequence")
-_SEQUENCE_REDUCTIONS = ("none", "seq-mean-token-sum", "sum")
-_REDUCTIONS = ("none", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "sum")
+Alpha = float | Tensor | AlphaFit | AlphaEMA
+"""A control-variate coefficient: fixed (number, tensor), fitted (a name), or an AlphaEMA."""
 
-Alpha = float | Tensor | str | AlphaEMA
+
+class EstimateDetails(NamedTuple):
+    """What :func:`kl_estimate` reports besides the estimate (``return_details=True``).
+
+    Attributes:
+      diagnostics: mean, standard error, fraction of negative values, counts, fitted alpha.
+    """
+
+    diagnostics: KLDiagnostics
 
 
 @dataclass(frozen=True)
@@ -67,7 +97,7 @@ class LogRatios:
     """Validated inputs as ``[rows, T]`` tensors in the compute dtype.
 
     ``delta`` and ``log_w`` are 0 at masked positions (so masked inputs never reach a value or
-    a gradient); ``shape`` is what ``reduction="none"`` returns.
+    a gradient); ``shape`` is the caller's layout, for :func:`~klest.aggregation.reduce_rows`.
     """
 
     delta: Tensor
@@ -82,65 +112,60 @@ def prepare_log_ratios(
     *,
     logp_behavior: Tensor | None,
     mask: Tensor | None,
-    level: str,
-    reduction: str,
+    checks: ValueChecks,
 ) -> LogRatios:
-    """Validate log-probs and mask; return per-row log-ratios at the requested level."""
+    """Check log-probs and mask (value checks queued on ``checks``); per-row log-ratios."""
     check_float_tensor("logp", logp)
     check_float_tensor("logp_ref", logp_ref)
     if logp_behavior is not None:
         check_float_tensor("logp_behavior", logp_behavior)
     check_same_shape(logp=logp, logp_ref=logp_ref, logp_behavior=logp_behavior)
-    check_choice("level", level, LEVELS)
-    check_choice("reduction", reduction, _REDUCTIONS)
-    if level == "sequence" and reduction not in _SEQUENCE_REDUCTIONS:
-        raise ValueError(
-            f"reduction {reduction!r} needs per-token values; with level='sequence' use one of "
-            f"{', '.join(map(repr, _SEQUENCE_REDUCTIONS))}"
-        )
-    valid_full = None if mask is None else check_mask(mask, logp.shape, logp.device)
+    keep = None
+    if mask is not None:
+        keep = check_mask(mask, logp.shape, logp.device, checks, of="the log-probs")
     sampler = "pi" if logp_behavior is None else "behavior"
+    # Off-policy, pi may give a behavior sample probability 0: weight 0, contributes 0.
     check_log_probs(
         "logp",
         logp,
-        valid_full,
+        keep,
+        checks,
         allow_neg_inf=logp_behavior is not None,
         role="a sample pi cannot produce",
     )
-    check_log_probs("logp_ref", logp_ref, valid_full, allow_neg_inf=True, role="")
+    check_log_probs("logp_ref", logp_ref, keep, checks, allow_neg_inf=True)
     if logp_behavior is not None:
         check_log_probs(
             "logp_behavior",
             logp_behavior,
-            valid_full,
+            keep,
+            checks,
             allow_neg_inf=False,
             role=f"a sample {sampler} cannot produce",
         )
 
     dtype = compute_dtype(logp, logp_ref, logp_behavior)
-    valid = (
-        torch.ones(as_rows(logp).shape, dtype=torch.bool, device=logp.device)
-        if valid_full is None
-        else as_rows(valid_full)
-    )
-    if valid_full is not None:
-        check_rows_not_empty(valid, sequences=logp.ndim >= 2)
-    zero = torch.zeros((), dtype=dtype, device=logp.device)
     lp = as_rows(logp).to(dtype)
+    valid = torch.ones_like(lp, dtype=torch.bool) if keep is None else as_rows(keep)
     log_w = None
-    keep = valid
+    counted = valid
     if logp_behavior is not None:
-        log_w = torch.where(valid, lp - as_rows(logp_behavior).to(dtype), zero)
-        # A behavior sample that pi cannot produce has weight 0 and contributes 0.
-        keep = valid & (lp > float("-inf"))
-    delta = torch.where(keep, lp - as_rows(logp_ref).to(dtype), zero)
-    shape = logp.shape
-    if level == "sequence" and logp.ndim >= 2:
-        delta = delta.sum(-1, keepdim=True)
-        log_w = None if log_w is None else log_w.sum(-1, keepdim=True)
-        valid = torch.ones_like(delta, dtype=torch.bool)
-        shape = logp.shape[:-1]
-    return LogRatios(delta, log_w, valid, shape)
+        log_w = torch.where(valid, lp - as_rows(logp_behavior).to(dtype), 0.0)
+        counted = valid & (lp > -math.inf)
+    delta = torch.where(counted, lp - as_rows(logp_ref).to(dtype), 0.0)
+    return LogRatios(delta, log_w, valid, logp.shape)
+
+
+def at_sequence_level(lr: LogRatios) -> LogRatios:
+    """One log-ratio (and log-weight) per row: the sums over its tokens, ``[rows, 1]``."""
+    if len(lr.shape) < 2:
+        return lr  # a 1-D input holds independent samples: each is its own sequence
+    return LogRatios(
+        lr.delta.sum(-1, keepdim=True),
+        None if lr.log_w is None else lr.log_w.sum(-1, keepdim=True),
+        lr.valid.any(-1, keepdim=True),
+        torch.Size((*lr.shape[:-1], 1)),
+    )
 
 
 @dataclass(frozen=True)
@@ -155,15 +180,30 @@ class RatioTerms:
     u: Tensor
 
 
+def naive_term(delta: Tensor, direction: str) -> Tensor:
+    """k1 of ``direction``: ``delta`` (KL(pi||ref)) or ``r log r`` (KL(ref||pi))."""
+    return delta if direction == "pi||ref" else x_exp(-delta)
+
+
+def k3_term(delta: Tensor, direction: str) -> Tensor:
+    """k3 of ``direction``, without cancellation near r = 1."""
+    return exp_tail(-delta) if direction == "pi||ref" else xexp_tail(-delta)
+
+
+def control_term(delta: Tensor, direction: str) -> Tensor:
+    """The zero-mean control variate of ``direction``: ``r - 1`` or ``-(r - 1)``."""
+    u = torch.expm1(-delta)
+    return u if direction == "pi||ref" else -u
+
+
 def ratio_terms(delta: Tensor, direction: str) -> RatioTerms:
     """The k1 / k3 / control-variate terms of ``direction`` at log-ratios ``delta``."""
-    log_r = -delta
-    if direction == "pi||ref":
-        return RatioTerms(naive=delta, k3=exp_tail(log_r), u=torch.expm1(log_r))
-    return RatioTerms(naive=x_exp(log_r), k3=xexp_tail(log_r), u=-torch.expm1(log_r))
+    return RatioTerms(
+        naive_term(delta, direction), k3_term(delta, direction), control_term(delta, direction)
+    )
 
 
-def _control_variate(terms: RatioTerms, delta: Tensor, direction: str, coef: Tensor) -> Tensor:
+def _control_variate(delta: Tensor, direction: str, coef: Tensor) -> Tensor:
     r"""``naive + coef * u``, to a few ulps of its terms, and never ``inf - inf``.
 
     Two exact forms: ``k3 + (coef - 1) u`` (k3 is computed without cancellation, so this is
@@ -192,7 +232,7 @@ def _control_variate(terms: RatioTerms, delta: Tensor, direction: str, coef: Ten
             )
         return torch.where(use_plain, plain, bregman)
 
-    near = near_forms(terms)
+    near = near_forms(ratio_terms(delta, direction))
     with torch.no_grad():
         far = ~torch.isfinite(near)
     if not bool(far.any()):
@@ -208,64 +248,73 @@ def _control_variate(terms: RatioTerms, delta: Tensor, direction: str, coef: Ten
     return torch.where(far, far_value, near)
 
 
-def _combine(
-    terms: RatioTerms, delta: Tensor, estimator: str, direction: str, coef: Tensor | None
-) -> Tensor:
-    if estimator == "k1":
-        return terms.naive
-    if estimator == "k2":
-        return 0.5 * delta * delta
-    if estimator == "k3":
-        return terms.k3
-    if estimator == "abs":
-        return terms.naive.abs()
-    return _control_variate(terms, delta, direction, coef)
-
-
 def per_token_values(
     delta: Tensor, estimator: str, direction: str, *, alpha: float | Tensor | None = None
 ) -> Tensor:
     """Elementwise on-policy estimator values at log-ratios ``delta`` (fixed alpha for ``cv``).
 
     No validation or masking: the building block that :func:`kl_estimate` and exact
-    expectations (``Testbed.expectation``) share.
+    expectations (``Testbed.expectation``) share. Each estimator evaluates only its own terms
+    (k1 and k2 no exponential).
     """
-    coef = None
-    if estimator == "cv":
-        if not isinstance(alpha, int | float | Tensor):
-            raise ValueError(f"per_token_values needs a fixed alpha for 'cv', got {alpha!r}")
-        coef = torch.as_tensor(alpha, dtype=delta.dtype, device=delta.device)
-    return _combine(ratio_terms(delta, direction), delta, estimator, direction, coef)
+    if estimator == "k2":
+        return 0.5 * delta * delta
+    if estimator in ("k1", "abs"):
+        naive = naive_term(delta, direction)
+        return naive.abs() if estimator == "abs" else naive
+    if estimator == "k3":
+        return k3_term(delta, direction)
+    if estimator != "cv":
+        raise ValueError(f"per_token_values computes k1, k2, k3, abs and cv, not {estimator!r}")
+    if not isinstance(alpha, int | float | Tensor):
+        raise ValueError(f"per_token_values needs a fixed alpha for 'cv', got {alpha!r}")
+    coef = torch.as_tensor(alpha, dtype=delta.dtype, device=delta.device)
+    return _control_variate(delta, direction, coef)
 
 
-def _weighted(x: Tensor, log_w: Tensor | None) -> Tensor:
-    # w x with w = e^{log_w}: a zero value stays 0 when w overflows (not inf * 0 = NaN).
+def weighted(x: Tensor, log_w: Tensor | None) -> Tensor:
+    """``w x`` with ``w = e^{log_w}``; a zero value stays 0 when ``w`` overflows (no inf * 0)."""
     return x if log_w is None else times_exp(x, log_w)
 
 
+def rb_weights(lr: LogRatios, direction: str) -> Tensor | float:
+    r"""Detached weight of each position's exact KL: :math:`W_{<n}`, times :math:`R_{<n}` for
+    KL(ref||pi) (the prefix ratio turns an expectation over pi's prefixes into one over ref's).
+    """
+    w = prefix_weights(lr.log_w, inclusive=False)
+    if direction == "pi||ref":
+        return w
+    d = lr.delta.detach()
+    return w * torch.exp(-(d.cumsum(-1) - d))
+
+
 def _resolve_alpha(
-    alpha: Alpha | None, terms: RatioTerms, lr: LogRatios, group: Tensor | None
+    alpha: Alpha | None, lr: LogRatios, direction: str, keys: Tensor | None, checks: ValueChecks
 ) -> Tensor:
     """The coefficient as a tensor broadcastable to ``[rows, T]`` (detached when fitted)."""
+    dtype, device = lr.delta.dtype, lr.delta.device
     if alpha is None:
         raise ValueError(
-            "estimator 'cv' needs alpha: a number, a tensor, one of "
-            f"{', '.join(map(repr, ALPHA_FITS))}, or an AlphaEMA"
+            "estimator 'cv' needs alpha: a number, a tensor, 'loo', 'crossfit', 'in-sample', "
+            "or an AlphaEMA"
         )
-    if isinstance(alpha, str):
-        a = _weighted(terms.naive, lr.log_w)
-        b = _weighted(terms.u, lr.log_w)
-        return fit_alpha(a, b, lr.valid, alpha, group=group).to(lr.delta.dtype).unsqueeze(-1)
-    if isinstance(alpha, AlphaEMA):
-        value = torch.tensor(alpha.alpha, dtype=lr.delta.dtype, device=lr.delta.device)
-        alpha.update(_weighted(terms.naive, lr.log_w), _weighted(terms.u, lr.log_w), lr.valid)
-        return value
+    if isinstance(alpha, str | AlphaEMA):
+        a = weighted(naive_term(lr.delta, direction), lr.log_w)
+        b = weighted(control_term(lr.delta, direction), lr.log_w)
+        if isinstance(alpha, AlphaEMA):
+            return alpha(a, b, lr.valid).to(dtype)
+        if keys is None:
+            keys = torch.zeros(lr.delta.shape[0], dtype=torch.int64, device=device)
+        return fit_alpha(a, b, lr.valid, alpha, keys=keys).to(dtype).unsqueeze(-1)
     if isinstance(alpha, Tensor):
-        if not bool(torch.isfinite(alpha).all()):
-            raise ValueError(
-                "alpha must be finite (a NaN or inf coefficient makes every value NaN)"
-            )
-        alpha = alpha.to(device=lr.delta.device, dtype=lr.delta.dtype)
+        alpha = alpha.detach().to(device=device, dtype=dtype)
+        checks.add(
+            ~torch.isfinite(alpha),
+            lambda f: (
+                f"alpha must be finite (a NaN or inf coefficient makes every value NaN); "
+                f"it is not at {first_bad(f)}"
+            ),
+        )
         if alpha.numel() == 1:
             return alpha.reshape(())
         if alpha.shape != lr.shape:
@@ -277,141 +326,385 @@ def _resolve_alpha(
     if isinstance(alpha, int | float) and not isinstance(alpha, bool):
         if not math.isfinite(alpha):
             raise ValueError(f"alpha must be finite, got {alpha}")
-        return torch.tensor(float(alpha), dtype=lr.delta.dtype, device=lr.delta.device)
+        return torch.tensor(float(alpha), dtype=dtype, device=device)
     raise TypeError(f"alpha must be a number, tensor, str or AlphaEMA, got {type(alpha).__name__}")
 
 
-def _finish(
-    values: Tensor,
+@dataclass(frozen=True)
+class Estimate:
+    """Per-row values of one estimator at one level, ready for reduction.
+
+    ``values`` ``[rows, T]`` (``[rows, 1]`` at the sequence level) are 0 where ``valid`` is
+    False; ``shape`` is the layout :func:`~klest.aggregation.reduce_rows` restores; ``coef`` is
+    the control-variate coefficient used (``cv`` only).
+    """
+
+    values: Tensor
+    valid: Tensor
+    shape: torch.Size
+    coef: Tensor | None = None
+
+    def reduce(self, reduction: str) -> Tensor:
+        return reduce_rows(self.values, self.valid, reduction, self.shape)
+
+    def diagnostics(self, reduction: str) -> KLDiagnostics:
+        return diagnostics(self.values, self.valid, reduction=reduction, alpha=self.coef)
+
+
+def estimate_rows(
     lr: LogRatios,
-    reduction: str,
-    return_diagnostics: bool,
-    alpha: Tensor | None = None,
-) -> Tensor | tuple[Tensor, KLDiagnostics]:
-    values = torch.where(lr.valid, values, torch.zeros_like(values))
-    out = reduce_rows(values, lr.valid, reduction, lr.shape)
-    if not return_diagnostics:
-        return out
-    return out, diagnostics(values, lr.valid, reduction=reduction, alpha=alpha)
+    *,
+    estimator: str,
+    direction: str,
+    level: str,
+    alpha: Alpha | None,
+    keys: Tensor | None,
+    kls: Tensor | None,
+    checks: ValueChecks,
+) -> Estimate:
+    """The values of ``estimator`` for validated log-ratios (``kls``: exact per-position KLs
+    ``[rows, T]`` for ``"rb"``)."""
+    if estimator == "rb":
+        assert kls is not None
+        values = torch.where(lr.valid, rb_weights(lr, direction) * kls, 0.0)
+        est = Estimate(values, lr.valid, lr.shape)
+        if level == "sequence" and len(lr.shape) >= 2:
+            seq = at_sequence_level(lr)
+            est = Estimate(values.sum(-1, keepdim=True), seq.valid, seq.shape)
+        return est
+    lr = at_sequence_level(lr) if level == "sequence" else lr
+    coef = _resolve_alpha(alpha, lr, direction, keys, checks) if estimator == "cv" else None
+    if estimator == "cv":
+        values = _control_variate(lr.delta, direction, coef)
+    else:
+        values = per_token_values(lr.delta, estimator, direction)
+    values = torch.where(lr.valid, weighted(values, lr.log_w), 0.0)
+    return Estimate(values, lr.valid, lr.shape, coef)
+
+
+def check_level(level: object, reduction: str) -> None:
+    check_choice("level", level, Level)
+    if level == "sequence" and reduction not in SEQUENCE_REDUCTIONS:
+        raise ValueError(
+            f"reduction {reduction!r} needs per-token values; with level='sequence' use one of "
+            f"{', '.join(map(repr, SEQUENCE_REDUCTIONS))}"
+        )
+
+
+def exact_position_kls(
+    logits: Tensor | None,
+    logits_ref: Tensor | None,
+    logp: Tensor,
+    lr: LogRatios,
+    *,
+    direction: str,
+    checks: ValueChecks,
+    why: str,
+) -> Tensor:
+    """The exact per-position KLs ``[rows, T]`` from logits ``logp.shape + (V,)``."""
+    if logits is None or logits_ref is None:
+        raise ValueError(
+            f"{why} needs the full next-token distributions: pass logits and logits_ref "
+            f"(shape logp.shape + (V,) = {tuple(logp.shape)} + (V,))"
+        )
+    for name, t in (("logits", logits), ("logits_ref", logits_ref)):
+        check_float_tensor(name, t, what="logits")
+        if t.shape[:-1] != logp.shape:
+            raise ValueError(
+                f"{name} has shape {tuple(t.shape)}; expected logp's shape {tuple(logp.shape)} "
+                "plus a vocabulary dimension"
+            )
+    kls = position_kls(
+        logits, logits_ref, direction=direction, keep=lr.valid.reshape(logp.shape), checks=checks
+    )
+    return as_rows(kls).to(lr.delta.dtype)
 
 
 def kl_estimate(
     logp: Tensor,
     logp_ref: Tensor,
     *,
-    estimator: str = "k3",
-    direction: str = "pi||ref",
-    alpha: Alpha | None = None,
-    logp_behavior: Tensor | None = None,
+    estimator: Estimator = "k3",
+    direction: Direction = "pi||ref",
     mask: Tensor | None = None,
-    reduction: str = "none",
-    level: str = "token",
+    reduction: Reduction = DEFAULT_REDUCTION,
+    level: Level = "token",
+    alpha: Alpha | None = None,
     group: Tensor | None = None,
-    return_diagnostics: bool = False,
-) -> Tensor | tuple[Tensor, KLDiagnostics]:
-    r"""Monte Carlo estimate of KL(pi||ref) or KL(ref||pi) from log-probs of samples.
+    logp_behavior: Tensor | None = None,
+    logits: Tensor | None = None,
+    logits_ref: Tensor | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[EstimateDetails]:
+    r"""Monte Carlo estimate of KL(pi||ref) or KL(ref||pi) from the log-probs of samples.
 
     .. math::
         KL(\pi\|ref) = E_{x\sim\pi}[\log \pi(x) - \log ref(x)], \qquad
         KL(ref\|\pi) = E_{x\sim ref}[\log ref(x) - \log \pi(x)] = E_{x\sim\pi}[r \log r]
 
-    with :math:`r = ref(x) / \pi(x)`. The estimators are listed in the module docstring.
+    with :math:`r = ref(x) / \pi(x)`; the estimators are tabled in :mod:`klest.estimators`.
 
     Samples: ``x ~ pi`` (on-policy), or ``x ~ behavior`` when ``logp_behavior`` is given, in
     which case every value is weighted by :math:`w = \pi(x)/behavior(x)` (per token; per
     sequence with ``level="sequence"``).
 
-    Gradient: this is plain autodiff of the value. That is *not* an unbiased gradient of the KL
-    for sampled x (autodiff of k1 has mean 0, of k3 the gradient of KL(ref||pi)); use
-    ``klest.kl_penalty`` to choose the gradient estimator.
+    Gradient: plain autodiff of the value, which is *not* an unbiased gradient of the KL for
+    sampled x (autodiff of k1 has mean 0, of k3 the gradient of KL(ref||pi)). Use
+    :func:`klest.kl_penalty` to choose the gradient estimator.
 
     Args:
       logp: log pi of the samples, ``[..., T]`` per token or ``[N]`` per sample; any float dtype
         (bf16/fp16 are computed in fp32).
       logp_ref: log ref of the same samples, same shape.
-      estimator: ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"`` or ``"cv"``.
+      estimator: ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``, ``"cv"`` (with ``alpha``) or ``"rb"``
+        (with ``logits`` and ``logits_ref``).
       direction: ``"pi||ref"`` (default) or ``"ref||pi"``: the KL estimated, named by arguments.
-      alpha: for ``"cv"`` only: a number or tensor (fixed), ``"loo"`` / ``"crossfit"`` (fitted on
-        other rows: unbiased), ``"in-sample"`` (fitted on the same rows: biased), or an
-        :class:`~klest.AlphaEMA` (fitted on earlier batches: unbiased).
-      logp_behavior: log behavior of the samples when they were not drawn from pi.
       mask: bool or 0/1, same shape; False/0 positions are ignored in value and gradient.
-      reduction: ``"none"``, ``"token-mean"``, ``"seq-mean-token-sum"``,
-        ``"seq-mean-token-mean"`` or ``"sum"`` (see :mod:`klest.aggregation`).
-      level: ``"token"`` (per-token estimator) or ``"sequence"`` (estimator of the summed
-        sequence log-ratio; one value per row).
+      reduction: ``"seq-mean-token-sum"`` (default: the sequence-level KL), ``"token-mean"``,
+        ``"seq-mean-token-mean"``, ``"sum"``, ``"per-sequence"`` or ``"none"`` (per token,
+        ``[..., T]``); the table is in :mod:`klest.aggregation`.
+      level: ``"token"`` (per-token estimator) or ``"sequence"`` (the estimator of each
+        sequence's summed log-ratio; reductions ``"per-sequence"``, ``"seq-mean-token-sum"``,
+        ``"sum"``).
+      alpha: for ``"cv"`` only: a number or tensor (fixed), ``"loo"`` / ``"crossfit"`` (fitted
+        on other rows: unbiased), ``"in-sample"`` (fitted on the same rows: biased), or an
+        :class:`~klest.AlphaEMA` (fitted on earlier batches: unbiased).
       group: integer ids, one per row (``logp.shape[:-1]``, or ``[N]`` for 1-D input): a fitted
         alpha is fitted within each group (e.g. the samples of one prompt).
-      return_diagnostics: also return a :class:`~klest.KLDiagnostics`.
+      logp_behavior: log behavior of the samples when they were not drawn from pi.
+      logits: for ``"rb"``: pi's next-token logits along the samples, ``logp.shape + (V,)``.
+      logits_ref: for ``"rb"``: ref's, same shape.
+      validate: run the value checks (NaN, log-probs above 0, ...); None: the global default
+        (:func:`klest.set_default_validate`).
+      return_details: also return an :class:`EstimateDetails`.
 
     Returns:
-      The estimate (per element for ``reduction="none"``, else a scalar), in the compute dtype;
-      with ``return_diagnostics``, a tuple ``(estimate, diagnostics)``.
+      The estimate in the compute dtype (a scalar, ``[...]`` for ``"per-sequence"``, ``[..., T]``
+      for ``"none"``); with ``return_details``, ``(estimate, details)``.
+
+    Raises:
+      ValueError: mismatched shapes, NaN or ``+inf`` log-probs, log-probs above 0, a sample pi
+        gives probability 0, unknown names, options that do not go together.
+      TypeError: non-tensor or non-float inputs.
+
+    Example:
+      >>> logp = torch.tensor([[-1.0, -0.5], [-2.0, -0.1]])
+      >>> logp_ref = torch.tensor([[-1.2, -0.4], [-1.0, -0.3]])
+      >>> kl_estimate(logp, logp_ref, estimator="k1")  # mean over sequences of the token sums
+      tensor(-0.3500)
+      >>> kl_estimate(logp, logp_ref, estimator="k3", reduction="none").shape
+      torch.Size([2, 2])
     """
     check_direction(direction)
-    check_choice("estimator", estimator, ESTIMATORS)
+    check_choice("estimator", estimator, Estimator)
+    check_choice("reduction", reduction, Reduction)
+    check_level(level, reduction)
     if alpha is not None and estimator != "cv":
         raise ValueError(f"alpha applies only to estimator='cv', not {estimator!r}")
     if group is not None and not isinstance(alpha, str):
         raise ValueError("group applies only to a fitted alpha ('loo', 'crossfit', 'in-sample')")
-    lr = prepare_log_ratios(
-        logp, logp_ref, logp_behavior=logp_behavior, mask=mask, level=level, reduction=reduction
+    checks = ValueChecks(resolve_validate(validate))
+    lr = prepare_log_ratios(logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks)
+    keys = None if group is None else group_keys(check_group(group, logp.shape, logp.device))
+    kls = None
+    if estimator == "rb":
+        kls = exact_position_kls(
+            logits, logits_ref, logp, lr, direction=direction, checks=checks, why="estimator 'rb'"
+        )
+    elif logits is not None or logits_ref is not None:
+        raise ValueError(f"logits apply only to estimator='rb', not {estimator!r}")
+    est = estimate_rows(
+        lr,
+        estimator=estimator,
+        direction=direction,
+        level=level,
+        alpha=alpha,
+        keys=keys,
+        kls=kls,
+        checks=checks,
     )
-    if group is not None:
-        group = check_group(group, logp.shape, logp.device)
-    terms = ratio_terms(lr.delta, direction)
-    coef = _resolve_alpha(alpha, terms, lr, group) if estimator == "cv" else None
-    values = _weighted(_combine(terms, lr.delta, estimator, direction, coef), lr.log_w)
-    return _finish(values, lr, reduction, return_diagnostics, alpha=coef)
+    checks.run()
+    out = est.reduce(reduction)
+    if not return_details:
+        return out
+    return WithDetails(out, EstimateDetails(est.diagnostics(reduction)))
 
 
-def k1(logp: Tensor, logp_ref: Tensor, **options) -> Tensor | tuple[Tensor, KLDiagnostics]:
+def k1(
+    logp: Tensor,
+    logp_ref: Tensor,
+    *,
+    direction: Direction = "pi||ref",
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    level: Level = "token",
+    logp_behavior: Tensor | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[EstimateDetails]:
     r"""k1: the naive unbiased estimator, ``delta`` for KL(pi||ref), ``r log r`` for KL(ref||pi).
 
     .. math:: k_1 = \log \pi(x) - \log ref(x) = -\log r, \quad x \sim \pi
 
     Unbiased; negative for about half the samples; its stdev/KL grows like ``2/mu`` for close
-    Gaussians. Options as in :func:`kl_estimate`. Source: Schulman (2020).
+    Gaussians at distance mu. Arguments, shapes and returns as in :func:`kl_estimate`.
+
+    See "Approximating KL Divergence" by John Schulman (2020,
+    http://joschu.net/blog/kl-approx.html).
+
+    Example:
+      >>> k1(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]))  # mean of 0.5 and -1.0
+      tensor(-0.2500)
     """
-    return kl_estimate(logp, logp_ref, estimator="k1", **options)
+    return kl_estimate(
+        logp,
+        logp_ref,
+        estimator="k1",
+        direction=direction,
+        mask=mask,
+        reduction=reduction,
+        level=level,
+        logp_behavior=logp_behavior,
+        validate=validate,
+        return_details=return_details,
+    )
 
 
-def k2(logp: Tensor, logp_ref: Tensor, **options) -> Tensor | tuple[Tensor, KLDiagnostics]:
+def k2(
+    logp: Tensor,
+    logp_ref: Tensor,
+    *,
+    direction: Direction = "pi||ref",
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    level: Level = "token",
+    logp_behavior: Tensor | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[EstimateDetails]:
     r"""k2: ``(log r)^2 / 2``, an f-divergence that matches either KL to second order.
 
     .. math:: k_2 = \tfrac12 (\log \pi(x) - \log ref(x))^2, \quad x \sim \pi
 
-    Biased (for close Gaussians at distance mu, bias/KL = mu^2/4); low variance; >= 0.
-    Options as in :func:`kl_estimate`. Source: Schulman (2020).
+    Biased (for close Gaussians at distance mu, bias/KL = mu^2/4); low variance; >= 0. The same
+    value for both directions. Arguments, shapes and returns as in :func:`kl_estimate`.
+
+    See "Approximating KL Divergence" by John Schulman (2020,
+    http://joschu.net/blog/kl-approx.html).
+
+    Example:
+      >>> k2(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]))  # mean of 0.125 and 0.5
+      tensor(0.3125)
     """
-    return kl_estimate(logp, logp_ref, estimator="k2", **options)
+    return kl_estimate(
+        logp,
+        logp_ref,
+        estimator="k2",
+        direction=direction,
+        mask=mask,
+        reduction=reduction,
+        level=level,
+        logp_behavior=logp_behavior,
+        validate=validate,
+        return_details=return_details,
+    )
 
 
-def k3(logp: Tensor, logp_ref: Tensor, **options) -> Tensor | tuple[Tensor, KLDiagnostics]:
+def k3(
+    logp: Tensor,
+    logp_ref: Tensor,
+    *,
+    direction: Direction = "pi||ref",
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    level: Level = "token",
+    logp_behavior: Tensor | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[EstimateDetails]:
     r"""k3: the unbiased, non-negative Bregman form ``(r - 1) - log r`` (KL(pi||ref)).
 
     .. math:: k_3 = (r - 1) - \log r, \quad r = ref(x)/\pi(x), \quad x \sim \pi
 
     For ``direction="ref||pi"``: :math:`r \log r - (r - 1)`. Computed without cancellation
-    (exact near r = 1, no overflow while the true value is finite). Options as in
-    :func:`kl_estimate`. Source: Schulman (2020).
+    (exact near r = 1, no overflow while the true value is finite). As a loss on sampled x its
+    autodiff descends KL(ref||pi), the *other* KL: choose gradients with
+    :func:`klest.kl_penalty`. Arguments, shapes and returns as in :func:`kl_estimate`.
+
+    See "Approximating KL Divergence" by John Schulman (2020,
+    http://joschu.net/blog/kl-approx.html).
+
+    Example:
+      >>> logp, logp_ref = torch.tensor([[-1.0, -0.5]]), torch.tensor([[-1.2, -0.4]])
+      >>> k3(logp, logp_ref, reduction="none")  # r - 1 - log r with r = e^{-0.2}... >= 0
+      tensor([[0.0187, 0.0052]])
     """
-    return kl_estimate(logp, logp_ref, estimator="k3", **options)
+    return kl_estimate(
+        logp,
+        logp_ref,
+        estimator="k3",
+        direction=direction,
+        mask=mask,
+        reduction=reduction,
+        level=level,
+        logp_behavior=logp_behavior,
+        validate=validate,
+        return_details=return_details,
+    )
 
 
-def k_abs(logp: Tensor, logp_ref: Tensor, **options) -> Tensor | tuple[Tensor, KLDiagnostics]:
+def k_abs(
+    logp: Tensor,
+    logp_ref: Tensor,
+    *,
+    direction: Direction = "pi||ref",
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    level: Level = "token",
+    logp_behavior: Tensor | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[EstimateDetails]:
     r"""``|k1|``: the absolute log-ratio (verl's ``"abs"``); biased upward.
 
     .. math:: |\log \pi(x) - \log ref(x)|, \quad x \sim \pi
 
-    Options as in :func:`kl_estimate`.
+    (``|r log r|`` for ``direction="ref||pi"``). Arguments, shapes and returns as in
+    :func:`kl_estimate`.
+
+    Example:
+      >>> k_abs(torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0]))
+      tensor(0.7500)
     """
-    return kl_estimate(logp, logp_ref, estimator="abs", **options)
+    return kl_estimate(
+        logp,
+        logp_ref,
+        estimator="abs",
+        direction=direction,
+        mask=mask,
+        reduction=reduction,
+        level=level,
+        logp_behavior=logp_behavior,
+        validate=validate,
+        return_details=return_details,
+    )
 
 
 def cv(
-    logp: Tensor, logp_ref: Tensor, *, alpha: Alpha, **options
-) -> Tensor | tuple[Tensor, KLDiagnostics]:
+    logp: Tensor,
+    logp_ref: Tensor,
+    *,
+    alpha: Alpha,
+    direction: Direction = "pi||ref",
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    level: Level = "token",
+    group: Tensor | None = None,
+    logp_behavior: Tensor | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[EstimateDetails]:
     r"""Control variate ``k1 + alpha (r - 1)`` with a fixed or fitted coefficient.
 
     .. math:: k_1 + \alpha (r - 1), \quad E_{x\sim\pi}[r - 1] = 0, \quad
@@ -419,10 +712,34 @@ def cv(
 
     (``k1 - alpha (r - 1)`` for KL(ref||pi), so ``alpha = 1`` is k3 in both directions.)
     Unbiased for any fixed alpha and for alpha fitted on other samples (``"loo"``,
-    ``"crossfit"``, :class:`~klest.AlphaEMA`); ``"in-sample"`` is biased. Options as in
-    :func:`kl_estimate`. Source: seed 001; Schulman (2020).
+    ``"crossfit"``, :class:`~klest.AlphaEMA`); ``"in-sample"`` is biased. ``group`` ids fit alpha
+    within each group. Arguments, shapes and returns as in :func:`kl_estimate`.
+
+    The control variate ``r - 1`` has mean 0 because ``E_pi[ref/pi] = 1`` (an AI Tech Inspire
+    article on KL divergence); ``alpha = 1`` is k3 of "Approximating KL Divergence" by John
+    Schulman (2020, http://joschu.net/blog/kl-approx.html).
+
+    Example:
+      >>> g = torch.Generator().manual_seed(0)
+      >>> logp, logp_ref = -torch.rand(64, generator=g), -torch.rand(64, generator=g)
+      >>> kl, details = cv(logp, logp_ref, alpha="loo", return_details=True)
+      >>> kl.shape, details.diagnostics.n_units
+      (torch.Size([]), 64)
     """
-    return kl_estimate(logp, logp_ref, estimator="cv", alpha=alpha, **options)
+    return kl_estimate(
+        logp,
+        logp_ref,
+        estimator="cv",
+        direction=direction,
+        mask=mask,
+        reduction=reduction,
+        level=level,
+        alpha=alpha,
+        group=group,
+        logp_behavior=logp_behavior,
+        validate=validate,
+        return_details=return_details,
+    )
 
 
 def f_divergence(
@@ -431,12 +748,13 @@ def f_divergence(
     *,
     f: Callable[[Tensor], Tensor],
     f_prime_at_1: float | None = None,
-    logp_behavior: Tensor | None = None,
     mask: Tensor | None = None,
-    reduction: str = "none",
-    level: str = "token",
-    return_diagnostics: bool = False,
-) -> Tensor | tuple[Tensor, KLDiagnostics]:
+    reduction: Reduction = DEFAULT_REDUCTION,
+    level: Level = "token",
+    logp_behavior: Tensor | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[EstimateDetails]:
     r"""Unbiased, non-negative (for convex f) estimate of the f-divergence ``E_pi[f(r)]``.
 
     .. math::
@@ -445,31 +763,37 @@ def f_divergence(
 
     ``f(r) = -log r`` gives KL(pi||ref), ``f(r) = r log r`` KL(ref||pi) (write it
     ``torch.xlogy(r, r)`` so that r = 0 gives 0), ``f(r) = (r-1)^2`` the chi-squared divergence.
-    ``f`` must map a tensor of ratios to a tensor (autodiff-able when ``f_prime_at_1`` is not
-    given; it is then computed by autograd). Samples, options and shapes as in
+    ``f`` maps a tensor of ratios to a tensor (autodiff-able when ``f_prime_at_1`` is not given:
+    it is then computed by autograd). Samples, other arguments, shapes and returns as in
     :func:`kl_estimate`.
 
     Numerics: ``f`` is called on :math:`r = e^{-\delta}` in float64 (whatever the input dtype,
     except on devices without float64) and the result is cast to the compute dtype, so float32
-    inputs do not overflow r for :math:`|\delta| \le 709`; a value past the output dtype's
-    range is ``inf``. For a black-box ``f`` the estimate cancels near r = 1: its absolute error
-    is a few float64 ulps of ``f(r)``, so for ``f = -log`` the relative error is about
-    :math:`2^{-52} / (\delta^2/2)`. Measured against 50-digit arithmetic: <= 1e-11 for
-    :math:`|\delta| \ge 10^{-3}`, 9e-9 at :math:`10^{-4}`, 2e-6 at :math:`10^{-5}`, 8e-5 at
-    :math:`10^{-6}` (float32 inputs: <= 5e-8 for :math:`|\delta| \ge 10^{-4}`, 9e-5 at
-    :math:`10^{-6}`). For the two KLs use :func:`kl_estimate` (k3), which works on log r and is
-    exact near r = 1. Where the result would be NaN (``f`` undefined, or ``inf - inf`` once r
-    is outside float64's range, :math:`|\delta| > 709`), or infinite because r underflowed to 0
-    (:math:`\delta > 745`, where ``f(0)`` need not be the limit), this raises a ValueError
-    naming the positions instead.
+    inputs do not overflow r for :math:`|\delta| \le 709`. For a black-box ``f`` the estimate
+    cancels near r = 1: its absolute error is a few float64 ulps of ``f(r)``, so for
+    ``f = -log`` the relative error is about :math:`2^{-52} / (\delta^2/2)` (8e-5 at
+    :math:`\delta = 10^{-6}`). For the two KLs use :func:`kl_estimate` (k3), which works on
+    log r and is exact near r = 1. Where the result would be NaN (``f`` undefined, or
+    ``inf - inf`` once r is outside float64's range) or infinite only because r underflowed to
+    0, the value checks raise a ValueError naming the positions.
 
-    Source: DESIGN.md section 3; Schulman (2020).
+    See "Approximating KL Divergence" by John Schulman (2020,
+    http://joschu.net/blog/kl-approx.html), whose k3 is this construction for ``f = -log``.
+
+    Example:
+      >>> logp, logp_ref = torch.tensor([-1.0, -2.0]), torch.tensor([-1.5, -1.0])
+      >>> chi2 = f_divergence(logp, logp_ref, f=lambda r: (r - 1) ** 2)
+      >>> kl = f_divergence(logp, logp_ref, f=lambda r: -torch.log(r))
+      >>> torch.allclose(kl, k3(logp, logp_ref))
+      True
     """
     if not callable(f):
         raise TypeError(f"f must be callable, got {type(f).__name__}")
-    lr = prepare_log_ratios(
-        logp, logp_ref, logp_behavior=logp_behavior, mask=mask, level=level, reduction=reduction
-    )
+    check_choice("reduction", reduction, Reduction)
+    check_level(level, reduction)
+    checks = ValueChecks(resolve_validate(validate))
+    lr = prepare_log_ratios(logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks)
+    lr = at_sequence_level(lr) if level == "sequence" else lr
     if f_prime_at_1 is None:
         one = torch.ones((), dtype=torch.float64, requires_grad=True)
         with torch.enable_grad():
@@ -478,37 +802,42 @@ def f_divergence(
     wide = torch.float64 if lr.delta.device.type != "mps" else lr.delta.dtype
     delta = lr.delta.to(wide)
     r = torch.exp(-delta)
-    values = f(r) - f_prime_at_1 * torch.expm1(-delta)
-    _check_f_values(values, r, delta, lr.valid)
-    values = _weighted(values.to(lr.delta.dtype), lr.log_w)
-    return _finish(values, lr, reduction, return_diagnostics)
-
-
-def _check_f_values(values: Tensor, r: Tensor, delta: Tensor, valid: Tensor) -> None:
-    """Raise where an f-divergence estimate is NaN, or infinite only because r underflowed."""
-    with torch.no_grad():
-        if not isinstance(values, Tensor) or values.shape != r.shape:
-            raise ValueError(
-                "f must map a tensor of ratios to a tensor of the same shape; got "
-                f"{type(values).__name__} {tuple(getattr(values, 'shape', ()))} for ratios of "
-                f"shape {tuple(r.shape)}"
-            )
-        nan = valid & torch.isnan(values)
-        underflow = valid & torch.isinf(values) & (r == 0)
-        bad = nan | underflow
-        if not bool(bad.any()):
-            return
-        first = tuple(bad.nonzero()[0].tolist())
-        out_of_range = bad & ((r == 0) | torch.isinf(r))
-        if bool(out_of_range.any()):
-            raise ValueError(
-                f"f(r) - f'(1)(r - 1) is not defined numerically at {int(bad.sum())} position(s) "
-                f"(first at row/token {first}, delta = {float(delta[first]):.6g}): the ratio "
-                "r = exp(-delta) is outside float64's range there (|delta| > ~709), so f(r) "
-                "is inf - inf or f(0) instead of its limit; for KL(pi||ref) and KL(ref||pi) "
-                "use klest.kl_estimate, which works with log r"
-            )
+    values = f(r)
+    if not isinstance(values, Tensor) or values.shape != r.shape:
         raise ValueError(
+            "f must map a tensor of ratios to a tensor of the same shape; got "
+            f"{type(values).__name__} {tuple(getattr(values, 'shape', ()))} for ratios of "
+            f"shape {tuple(r.shape)}"
+        )
+    values = values - f_prime_at_1 * torch.expm1(-delta)
+    _check_f_values(values, r, delta, lr.valid, checks)
+    values = torch.where(lr.valid, weighted(values.to(lr.delta.dtype), lr.log_w), 0.0)
+    checks.run()
+    est = Estimate(values, lr.valid, lr.shape)
+    out = est.reduce(reduction)
+    if not return_details:
+        return out
+    return WithDetails(out, EstimateDetails(est.diagnostics(reduction)))
+
+
+def _check_f_values(
+    values: Tensor, r: Tensor, delta: Tensor, valid: Tensor, checks: ValueChecks
+) -> None:
+    """Queue: no NaN estimate, and none infinite only because r underflowed to 0."""
+
+    def message(bad: Tensor) -> str:
+        first = tuple(bad.nonzero()[0].tolist())
+        if bool((bad & ((r == 0) | torch.isinf(r))).any()):
+            return (
+                f"f(r) - f'(1)(r - 1) is not defined numerically at {int(bad.sum())} "
+                f"position(s) (first at row/token {first}, delta = {float(delta[first]):.6g}): "
+                "the ratio r = exp(-delta) is outside float64's range there (|delta| > ~709), "
+                "so f(r) is inf - inf or f(0) instead of its limit; for KL(pi||ref) and "
+                "KL(ref||pi) use klest.kl_estimate, which works with log r"
+            )
+        return (
             f"f returned NaN at {int(bad.sum())} position(s) (first at row/token {first}, "
             f"r = {float(r[first]):.6g}); f must be defined on (0, inf)"
         )
+
+    checks.add(valid & (torch.isnan(values) | (torch.isinf(values) & (r == 0))), message)

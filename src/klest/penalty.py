@@ -1,13 +1,15 @@
 r"""The KL term to add to a training loss: a value estimator and a gradient estimator, chosen apart.
 
-``kl_penalty`` returns ``decouple(value, surrogate)``: its forward value is the chosen value
-estimator, its gradient the chosen gradient estimator's. Notation (DESIGN.md): samples
-:math:`y \sim \pi` (or ``behavior``), tokens :math:`t`, :math:`\rho_t = \log\pi(y_t|y_{<t}) -
-\log ref(y_t|y_{<t})`, :math:`s_t = \nabla\log\pi(y_t|y_{<t})`, sequence ratio
-:math:`R = \prod_t ref/\pi = e^{-\sum_t\rho_t}`, prefix ratio :math:`R_{\le t}`, and importance
-weights :math:`W_{\le t} = \prod_{u\le t}\pi/behavior` (1 on-policy).
+:func:`kl_penalty` returns ``decouple(value, surrogate)``: its forward value is the chosen value
+estimator's, its gradient the chosen gradient estimator's. Notation: samples
+:math:`y \sim \pi` (or ``behavior``), tokens :math:`t`, the per-token log-ratio
+:math:`\rho_t = \log\pi(y_t|y_{<t}) - \log ref(y_t|y_{<t})`, the score
+:math:`s_t = \nabla\log\pi(y_t|y_{<t})`, the sequence ratio
+:math:`R = \prod_t ref/\pi = e^{-\sum_t\rho_t}` and prefix ratio :math:`R_{\le t}`, importance
+weights :math:`W_{\le t} = \prod_{u\le t}\pi/behavior` (1 on-policy), a baseline :math:`b`, and
+the exact per-position KL :math:`KL_n` between the next-token distributions (from logits).
 
-Gradient estimators (``grad=``) and what their mean is:
+Gradient estimators (``grad=``; the table ``GRADIENT_ESTIMATORS`` holds each one's rules):
 
 ============== ============================================================ =====================
 ``grad``       surrogate gradient per sequence                              mean
@@ -21,416 +23,542 @@ Gradient estimators (``grad=``) and what their mean is:
                - W_{\le t} b_t)`; KL(ref||pi): :math:`-\sum_t s_t
                W_{\le t}(R_{\le t} - b_t)`
 ``rb``         KL(pi||ref): :math:`\sum_n W_{<n}\nabla KL_n + \sum_m s_m     grad of the KL
-               (\sum_{n>m} W_{<n} KL_n - W_{\le m} b_m)` with the exact
-               per-position :math:`KL_n` from logits; KL(ref||pi):
+               (\sum_{n>m} W_{<n} KL_n - W_{\le m} b_m)`; KL(ref||pi):
                :math:`\sum_n W_{<n} R_{<n} \nabla KL_n`
 ``token``      :math:`\sum_t s_t w_t\rho_t` (what k2-per-token losses give)  biased for T > 1
 ``autodiff``   autodiff of the value estimator itself (TRL/verl's k3 loss)  see below
 ============== ============================================================ =====================
 
 ``token``'s mean is :math:`\sum_t E_{y_{<t}}[\nabla KL_t(y_{<t})]`: the gradients of the
-per-position KLs :math:`KL_t = KL(\pi(\cdot|y_{<t})\|ref(\cdot|y_{<t}))` (or ref||pi) with
-the prefix distribution held fixed, prefixes drawn from the sampler (pi on-policy; behavior
-off-policy, since :math:`w_t` reweights only the token at t). It misses each token's effect on
-the later ones, so it is not the gradient of the sequence KL for T > 1.
+per-position KLs with the prefix distribution held fixed, prefixes drawn from the sampler. It
+misses each token's effect on the later ones, so it is not the gradient of the sequence KL for
+T > 1.
 
 ``autodiff`` on sampled (not reparameterized) tokens: k1 has mean gradient 0; k3 and cv descend
 :math:`\sum_t E_{y_{<t}\sim\pi} KL(ref_t\|\pi_t)` (the *other* direction, token by token); k2
 gives ``token``; rb gives only the first (pathwise) sum of ``rb``. On reparameterized samples it
-is the unbiased pathwise gradient of an unbiased value (k3's has exploding variance in high
-dimensions: seed 000).
+is the pathwise gradient of the value (unbiased for an unbiased value; k3's has exploding variance
+in high dimensions, which is why the Chimera estimator takes k3's value and k1's gradient).
 
 Baselines (``baseline=``) apply to ``score``, ``cumulative`` and ``rb`` (KL(pi||ref)): see
-:mod:`klest.surrogates`.
+:mod:`klest.surrogates`. Per-position baselines align completions at their first valid token.
 
-Sources: seed 000 (Chimera), seed 002 (arXiv:2506.09477, pitfalls; cumulative and
-leave-one-out), seed 003 (arXiv:2504.10637, Rao-Blackwellized gradient), DESIGN.md section 3.
+References:
+  "On a few pitfalls in KL divergence gradient estimation for RL" by Yunhao Tang and Rémi Munos
+  (2025, https://arxiv.org/abs/2506.09477): autodiff pitfalls, cumulative, leave-one-out.
+  "Better Estimation of the Kullback-Leibler Divergence Between Language Models" by Afra Amini,
+  Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637): rb.
+  "The Chimera Estimator" by Kirato Yoshihara (2026,
+  https://kiratoyoshihara.github.io/essays/chimera-kl.html): value and gradient chosen apart.
 """
 
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
 
 from klest._checks import (
+    ValueChecks,
     check_choice,
     check_direction,
+    check_finite_surrogate,
+    check_flag,
     check_float_tensor,
     check_group,
     check_same_shape,
+    resolve_validate,
 )
-from klest.aggregation import KLDiagnostics, as_rows, diagnostics
+from klest._types import (
+    DEFAULT_REDUCTION,
+    Baseline,
+    Direction,
+    Estimator,
+    Grad,
+    Level,
+    Reduction,
+)
+from klest.aggregation import KLDiagnostics, WithDetails, as_rows, group_keys
 from klest.estimators import (
-    ESTIMATORS,
     Alpha,
+    Estimate,
     LogRatios,
-    kl_estimate,
+    check_level,
+    estimate_rows,
+    exact_position_kls,
+    naive_term,
     prepare_log_ratios,
-    ratio_terms,
+    rb_weights,
 )
-from klest.logits.from_logits import kl_from_logits
-from klest.sequence import prefix_weights, sum_after, sum_from_here
-from klest.surrogates import BASELINES, BaselineEMA, decouple, group_baseline
-
-GRADS = ("pathwise", "stl", "score", "cumulative", "rb", "token", "autodiff")
-VALUES = (*ESTIMATORS, "rb")
-_WITH_BASELINE = ("score", "cumulative", "rb")
+from klest.sequence import align_left, prefix_weights, sum_after, sum_from_here, unalign
+from klest.surrogates import BaselineEMA, group_baseline, group_sizes, join
 
 
 class KLGradientWarning(UserWarning):
-    """A gradient estimator was chosen whose mean is not the gradient of the stated KL."""
+    """A gradient estimator was chosen whose mean is not the gradient of the stated KL, or no
+    gradient can reach the policy."""
 
 
-@dataclass(frozen=True)
-class PenaltyDetails:
-    """What :func:`kl_penalty` reports besides the loss, for logging.
+class PenaltyDetails(NamedTuple):
+    """What :func:`kl_penalty` reports besides the loss (``return_details=True``).
 
     Attributes:
-      per_sequence: the value estimate of each sequence (row), detached, ``logp.shape[:-1]``.
-      diagnostics: mean, standard error and fraction of negative values of the estimate.
+      per_sequence: the value estimate of each sequence (row), detached, ``logp.shape[:-1]``
+        (``[N]`` for 1-D input); 0 for a row with no valid token.
+      diagnostics: mean, standard error, fraction of negative values and counts of the value
+        estimate under the call's reduction (its ``mean`` is the loss for mean reductions).
+      n_singleton_samples: samples alone in their group (leave-one-out gives them baseline 0).
     """
 
     per_sequence: Tensor
     diagnostics: KLDiagnostics
-
-
-def _reduce_rows(x: Tensor, counts: Tensor, reduction: str, shape: torch.Size) -> Tensor:
-    if reduction == "none":
-        return x.reshape(shape)
-    if reduction == "sum":
-        return x.sum()
-    if reduction == "token-mean":
-        return x.sum() / counts.sum()
-    if reduction == "seq-mean-token-mean":
-        return (x / counts).mean()
-    return x.mean()
-
-
-def _check_baseline(baseline: object, grad: str, direction: str) -> None:
-    if baseline is None:
-        return
-    if not isinstance(baseline, BaselineEMA):
-        check_choice("baseline", baseline, BASELINES)
-    if grad not in _WITH_BASELINE or (grad == "rb" and direction == "ref||pi"):
-        raise ValueError(
-            f"baseline applies to grad in {_WITH_BASELINE} (rb: KL(pi||ref) only), not "
-            f"grad={grad!r} with direction={direction!r}"
-        )
-
-
-def _baseline(targets: Tensor, valid: Tensor, baseline, group: Tensor | None) -> Tensor | float:
-    if baseline is None:
-        return 0.0
-    if isinstance(baseline, BaselineEMA):
-        return baseline(targets, valid)
-    return group_baseline(targets, valid, baseline, group)
-
-
-def _position_kls(
-    logits: Tensor | None,
-    logits_ref: Tensor | None,
-    logp: Tensor,
-    mask: Tensor | None,
-    direction: str,
-    why: str,
-) -> Tensor:
-    if logits is None or logits_ref is None:
-        raise ValueError(
-            f"{why} needs the full next-token distributions: pass logits and logits_ref "
-            "(shape logp.shape + (V,))"
-        )
-    check_float_tensor("logits", logits)
-    check_float_tensor("logits_ref", logits_ref)
-    if logits.shape[:-1] != logp.shape:
-        raise ValueError(
-            f"logits has shape {tuple(logits.shape)}; expected logp's shape {tuple(logp.shape)} "
-            "plus a vocabulary dimension"
-        )
-    return as_rows(kl_from_logits(logits, logits_ref, direction=direction, mask=mask))
-
-
-def _rb_weights(lr: LogRatios, direction: str) -> Tensor | float:
-    """Detached weight of each position's exact KL: W_{<n} (times R_{<n} for KL(ref||pi))."""
-    w = prefix_weights(lr.log_w, inclusive=False)
-    if direction == "pi||ref":
-        return w
-    ratio = torch.exp(-(lr.delta.detach().cumsum(-1) - lr.delta.detach()))
-    return w * ratio
+    n_singleton_samples: int
 
 
 @dataclass(frozen=True)
-class _SurrogateInputs:
+class SurrogateInputs:
+    """What a gradient estimator's surrogate is built from (validated, ``[rows, T]``)."""
+
     lr: LogRatios
-    logp_rows: Tensor  # log pi of each valid token, [rows, T], with graph; 0 where masked
+    logp_rows: Tensor  # log pi of each valid token, with graph; 0 where masked
     direction: str
-    baseline: str | BaselineEMA | None
-    groups: Tensor | None
+    value: Estimate
+    baseline: Baseline | BaselineEMA | None
+    keys: Tensor | None
+    kls: Tensor | None
+    stl_delta: Tensor | None
 
     @property
     def on_policy(self) -> bool:
         return self.lr.log_w is None
 
+    def token_estimate(self, values: Tensor) -> Estimate:
+        return Estimate(torch.where(self.lr.valid, values, 0.0), self.lr.valid, self.lr.shape)
+
     def baseline_for(self, targets: Tensor, valid: Tensor) -> Tensor | float:
-        return _baseline(targets, valid, self.baseline, self.groups)
+        """The baseline of detached ``targets`` ``[rows, T]``, per position from each row's
+        first valid token (so left and right padding agree)."""
+        if self.baseline is None:
+            return 0.0
+        per_position = targets.shape[-1] > 1
+        if per_position:
+            aligned, aligned_valid = align_left(targets, valid)
+        else:
+            aligned, aligned_valid = targets, valid
+        if isinstance(self.baseline, BaselineEMA):
+            b = self.baseline(aligned, aligned_valid)
+        else:
+            keys = self.keys
+            if keys is None:
+                keys = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
+            b = group_baseline(aligned, aligned_valid, self.baseline, keys)
+        return unalign(b, valid) if per_position else b
 
 
-def _pathwise(
-    x: _SurrogateInputs, grad: str, logp: Tensor, logp_ref: Tensor, logp_stl: Tensor | None
-) -> Tensor:
-    """Autodiff of the direction's k1 through reparameterized samples (``stl``: pi stopped)."""
-    if not x.on_policy:
-        raise ValueError(f"grad={grad!r} needs samples from pi itself, not logp_behavior")
-    if not logp_ref.requires_grad:
-        raise ValueError(
-            f"grad={grad!r} claims reparameterized samples x = g(theta, eps), but logp_ref "
-            "carries no graph to pi's parameters (was x detached, or are the samples "
-            "discrete?); use grad='score' or 'cumulative' for sampled tokens"
-        )
-    valid, delta = x.lr.valid, x.lr.delta
-    if grad == "stl":
-        if x.direction != "pi||ref":
-            raise ValueError(
-                "grad='stl' drops a term that has mean zero only for KL(pi||ref); use "
-                "grad='pathwise' for KL(ref||pi)"
-            )
-        if logp_stl is None:
-            raise ValueError("grad='stl' needs logp_stl: log pi(x) with pi's parameters stopped")
-        check_float_tensor("logp_stl", logp_stl)
-        check_same_shape(logp=logp, logp_stl=logp_stl)
-        stl = as_rows(logp_stl).to(delta.dtype) - as_rows(logp_ref).to(delta.dtype)
-        delta = torch.where(valid, stl, 0.0)
-    return torch.where(valid, ratio_terms(delta, x.direction).naive, 0.0).sum(-1)
+def _pathwise(x: SurrogateInputs) -> Estimate:
+    """Autodiff of the direction's k1 through reparameterized samples."""
+    return x.token_estimate(naive_term(x.lr.delta, x.direction))
 
 
-def _token(x: _SurrogateInputs, kls: Tensor | None) -> Tensor:
+def _stl(x: SurrogateInputs) -> Estimate:
+    """The pathwise surrogate with log pi's parameters stopped ("sticking the landing")."""
+    assert x.stl_delta is not None
+    return x.token_estimate(naive_term(x.stl_delta, x.direction))
+
+
+def _token(x: SurrogateInputs) -> Estimate:
     """Each token's score times its own (weighted) log-ratio term only."""
     d = x.lr.delta.detach()
-    w = 1.0 if x.on_policy else torch.exp(x.lr.log_w.detach())
+    w = 1.0 if x.lr.log_w is None else torch.exp(x.lr.log_w.detach())
     coef = w * d if x.direction == "pi||ref" else -w * torch.expm1(-d)
-    return (x.logp_rows * coef).sum(-1)
+    return x.token_estimate(x.logp_rows * coef)
 
 
-def _score(x: _SurrogateInputs, kls: Tensor | None) -> Tensor:
+def _score(x: SurrogateInputs) -> Estimate:
     """The sequence score times the whole sequence's (weighted, baselined) target."""
     seq_delta = x.lr.delta.detach().sum(-1, keepdim=True)
     target = seq_delta if x.direction == "pi||ref" else torch.exp(-seq_delta)
     w = prefix_weights(x.lr.log_w, inclusive=True)
     w_seq = w if x.on_policy else w[:, -1:]
-    coef = w_seq * (target - x.baseline_for(target, torch.ones_like(target, dtype=torch.bool)))
-    return (x.logp_rows * (coef if x.direction == "pi||ref" else -coef)).sum(-1)
+    coef = w_seq * (target - x.baseline_for(target, x.lr.valid.any(-1, keepdim=True)))
+    return x.token_estimate(x.logp_rows * (coef if x.direction == "pi||ref" else -coef))
 
 
-def _cumulative(x: _SurrogateInputs, kls: Tensor | None) -> Tensor:
+def _cumulative(x: SurrogateInputs) -> Estimate:
     """Each token's score times what it influences: the log-ratios from it on (prefix ratio)."""
     w = prefix_weights(x.lr.log_w, inclusive=True)
     d = x.lr.delta.detach()
     # KL(pi||ref): the weighted log-ratios to go; KL(ref||pi): the prefix ratio R_{<=t}.
     target = sum_from_here(w * d) if x.direction == "pi||ref" else w * torch.exp(-d.cumsum(-1))
     # A baseline b_t enters as W_{<=t} b_t: zero mean since E_behavior[W_{<=t} s_t] = 0.
-    b = x.baseline_for(target if x.on_policy else target / w, x.lr.valid)
-    coef = target - w * b
-    coef = torch.where(x.lr.valid, coef if x.direction == "pi||ref" else -coef, 0.0)
-    return (x.logp_rows * coef).sum(-1)
+    coef = target - w * x.baseline_for(target if x.on_policy else target / w, x.lr.valid)
+    return x.token_estimate(x.logp_rows * (coef if x.direction == "pi||ref" else -coef))
 
 
-def _rb(x: _SurrogateInputs, kls: Tensor | None) -> Tensor:
+def _rb(x: SurrogateInputs) -> Estimate:
     """Pathwise through the exact per-position KLs, plus (KL(pi||ref)) the scores of the future."""
-    weights = _rb_weights(x.lr, x.direction)
-    surrogate = (weights * kls).sum(-1)
+    assert x.kls is not None
+    weights = rb_weights(x.lr, x.direction)
+    surrogate = weights * x.kls
     if x.direction == "pi||ref":
-        future = sum_after(weights * kls.detach())
+        future = sum_after(weights * x.kls.detach())
         w_incl = prefix_weights(x.lr.log_w, inclusive=True)
         b = x.baseline_for(future if x.on_policy else future / w_incl, x.lr.valid)
-        surrogate = surrogate + (x.logp_rows * (future - w_incl * b)).sum(-1)
-    return surrogate
+        surrogate = surrogate + x.logp_rows * (future - w_incl * b)
+    return x.token_estimate(surrogate)
 
 
-def _first_position(flags: Tensor) -> str:
-    return f"{int(flags.sum())} position(s) (first at index {tuple(flags.nonzero()[0].tolist())})"
+def _autodiff(x: SurrogateInputs) -> Estimate:
+    """The value estimator itself: its autodiff is the gradient."""
+    return x.value
 
 
-def _check_surrogate_finite(
-    surrogate: Tensor,
-    logp: Tensor,
-    logp_ref: Tensor,
-    logp_behavior: Tensor | None,
-    mask: Tensor | None,
-    direction: str,
-) -> None:
-    """Raise, naming the responsible argument, when the surrogate (the gradient) is not finite."""
-    with torch.no_grad():
-        if bool(torch.isfinite(surrogate).all()):
-            return
-        keep = torch.ones_like(logp, dtype=torch.bool) if mask is None else mask.bool()
-        keep = keep & (logp > float("-inf"))
-        zero_ref = keep & (logp_ref == float("-inf"))
-        if bool(zero_ref.any()):
-            raise ValueError(
-                f"logp_ref is -inf at {_first_position(zero_ref)} where pi sampled the token: "
-                f"ref gives it probability 0, so KL({direction}) is infinite and has no finite "
-                "gradient; mask those tokens out (or give ref nonzero mass there)"
-            )
-        if logp_behavior is not None:
-            raise ValueError(
-                "the gradient surrogate is not finite: the importance weights "
-                "exp(logp - logp_behavior) (largest log-weight "
-                f"{float(torch.where(keep, logp - logp_behavior, float('-inf')).max()):.4g}) or "
-                "the log-ratios logp - logp_ref overflow; clip or mask such tokens"
-            )
-        raise ValueError(
-            "the gradient surrogate is not finite: the log-ratios logp - logp_ref (largest "
-            f"|logp - logp_ref| {float(torch.where(keep, logp - logp_ref, 0.0).abs().max()):.4g})"
-            " overflow the ratio exp(-(logp - logp_ref)) or its sum; mask such tokens"
-        )
+Samples = Literal["reparameterized", "sampled", "either"]
 
 
-_SCORE_SURROGATES = {"token": _token, "score": _score, "cumulative": _cumulative, "rb": _rb}
+@dataclass(frozen=True)
+class GradientEstimator:
+    """One gradient estimator of :func:`kl_penalty`: its surrogate and its rules.
+
+    Attributes:
+      name: the ``grad=`` name.
+      surrogate: builds the per-token surrogate whose gradient is the estimator.
+      mean: what its expected gradient is.
+      samples: ``"reparameterized"`` (x = g(theta, eps), log-probs carry the graph through x),
+        ``"sampled"`` (discrete or detached samples: score-function estimators) or ``"either"``.
+      directions: the KLs it estimates the gradient of.
+      baseline_directions: the KLs for which it takes a baseline.
+      needs_logits: it uses the exact per-position KLs from ``logits``/``logits_ref``.
+      on_policy_only: it needs samples from pi itself (no ``logp_behavior``).
+    """
+
+    name: str
+    surrogate: Callable[[SurrogateInputs], Estimate]
+    mean: str
+    samples: Samples
+    directions: tuple[Direction, ...] = ("pi||ref", "ref||pi")
+    baseline_directions: tuple[Direction, ...] = ()
+    needs_logits: bool = False
+    on_policy_only: bool = False
+
+
+_BOTH: tuple[Direction, ...] = ("pi||ref", "ref||pi")
+
+GRADIENT_ESTIMATORS: dict[str, GradientEstimator] = {
+    e.name: e
+    for e in (
+        GradientEstimator(
+            "pathwise", _pathwise, "grad of the KL", "reparameterized", on_policy_only=True
+        ),
+        GradientEstimator(
+            "stl",
+            _stl,
+            "grad of KL(pi||ref)",
+            "reparameterized",
+            directions=("pi||ref",),
+            on_policy_only=True,
+        ),
+        GradientEstimator("score", _score, "grad of the KL", "sampled", baseline_directions=_BOTH),
+        GradientEstimator(
+            "cumulative", _cumulative, "grad of the KL", "sampled", baseline_directions=_BOTH
+        ),
+        GradientEstimator(
+            "rb",
+            _rb,
+            "grad of the KL",
+            "sampled",
+            baseline_directions=("pi||ref",),
+            needs_logits=True,
+        ),
+        GradientEstimator(
+            "token", _token, "per-position partial gradients: biased for T > 1", "sampled"
+        ),
+        GradientEstimator(
+            "autodiff",
+            _autodiff,
+            "the value's own gradient: biased on sampled tokens (k1: 0; k3: the other KL)",
+            "either",
+        ),
+    )
+}
+"""Every gradient estimator of :func:`kl_penalty`, by name."""
 
 
 def _warn(message: str) -> None:
     warnings.warn(message, KLGradientWarning, stacklevel=3)
 
 
+def _check_rules(
+    est: GradientEstimator,
+    *,
+    direction: str,
+    reparameterized: bool,
+    baseline: object,
+    on_policy: bool,
+    logp_ref: Tensor,
+    logp_stl: Tensor | None,
+) -> None:
+    """The estimator's table entry against the call: samples, direction, baseline."""
+    if direction not in est.directions:
+        raise ValueError(
+            f"grad={est.name!r} estimates the gradient of KL({', '.join(est.directions)}) only "
+            f"(it drops a term that has mean zero only there); use grad='pathwise' for "
+            f"KL({direction})"
+        )
+    if est.samples == "reparameterized" and not reparameterized:
+        raise ValueError(
+            f"grad={est.name!r} is a pathwise gradient: it needs reparameterized samples "
+            "x = g(theta, eps) whose log-probs carry the graph through x; say so with "
+            "reparameterized=True, or use grad='score' / 'cumulative' for sampled tokens"
+        )
+    if est.samples == "sampled" and reparameterized:
+        raise ValueError(
+            f"grad={est.name!r} is a score-function gradient, for samples that carry no graph "
+            "to pi's parameters; with reparameterized=True use grad='pathwise' or 'stl' (or "
+            "detach the samples and pass reparameterized=False)"
+        )
+    if est.on_policy_only and not on_policy:
+        raise ValueError(f"grad={est.name!r} needs samples from pi itself, not logp_behavior")
+    if est.samples == "reparameterized" and torch.is_grad_enabled() and not logp_ref.requires_grad:
+        raise ValueError(
+            f"grad={est.name!r} with reparameterized=True needs logp_ref to carry the graph "
+            "through x = g(theta, eps), but it does not require grad (was x detached?)"
+        )
+    if est.name == "stl" and logp_stl is None:
+        raise ValueError("grad='stl' needs logp_stl: log pi(x) with pi's parameters stopped")
+    if baseline is None:
+        return
+    if not isinstance(baseline, BaselineEMA):
+        check_choice("baseline", baseline, Baseline)
+    if direction not in est.baseline_directions:
+        raise ValueError(
+            f"baseline applies to grad in ('score', 'cumulative', 'rb'), rb for KL(pi||ref) "
+            f"only; not grad={est.name!r} with direction={direction!r}"
+        )
+
+
+def _surrogate_explanation(
+    logp: Tensor, logp_ref: Tensor, lr: LogRatios, direction: str
+) -> Callable[[], str]:
+    """The message for a non-finite surrogate, naming the responsible argument."""
+
+    def explain() -> str:
+        keep = lr.valid.reshape(logp.shape) & (logp > -torch.inf)
+        zero_ref = keep & (logp_ref == -torch.inf)
+        if bool(zero_ref.any()):
+            first = tuple(zero_ref.nonzero()[0].tolist())
+            return (
+                f"logp_ref is -inf at {int(zero_ref.sum())} position(s) (first at index {first}) "
+                f"where pi sampled the token: ref gives it probability 0, so KL({direction}) is "
+                "infinite and has no finite gradient; mask those tokens out"
+            )
+        if lr.log_w is not None:
+            return (
+                "the gradient surrogate is not finite: the importance weights "
+                "exp(logp - logp_behavior) (largest log-weight "
+                f"{float(lr.log_w.max()):.4g}) or the log-ratios logp - logp_ref overflow; "
+                "clip or mask such tokens"
+            )
+        return (
+            "the gradient surrogate is not finite: the log-ratios logp - logp_ref (largest "
+            f"|logp - logp_ref| {float(lr.delta.detach().abs().max()):.4g}) overflow the ratio "
+            "exp(-(logp - logp_ref)) or its sum; mask such tokens"
+        )
+
+    return explain
+
+
 def kl_penalty(
     logp: Tensor,
     logp_ref: Tensor,
     *,
+    estimator: Estimator = "k3",
+    grad: Grad = "cumulative",
+    direction: Direction = "pi||ref",
     mask: Tensor | None = None,
-    value: str = "k3",
-    grad: str = "cumulative",
-    baseline: str | BaselineEMA | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    baseline: Baseline | BaselineEMA | None = None,
     group: Tensor | None = None,
-    direction: str = "pi||ref",
-    reduction: str = "seq-mean-token-sum",
+    reparameterized: bool = False,
+    level: Level = "token",
+    alpha: Alpha | None = None,
     logp_behavior: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
     logp_stl: Tensor | None = None,
-    alpha: Alpha | None = None,
-    level: str = "token",
+    validate: bool | None = None,
     return_details: bool = False,
-) -> Tensor | tuple[Tensor, PenaltyDetails]:
-    r"""A KL term for a loss: ``value`` in the forward pass, ``grad``'s estimator in the backward.
+) -> Tensor | WithDetails[PenaltyDetails]:
+    r"""A KL term for a loss: ``estimator``'s value forward, ``grad``'s estimator backward.
 
     .. math::
-        \text{loss} = \mathrm{sg}(\widehat{KL}_{value}) + S_{grad} - \mathrm{sg}(S_{grad}),
+        \text{loss} = \mathrm{sg}(\widehat{KL}_{estimator}) + S_{grad} - \mathrm{sg}(S_{grad}),
         \qquad E[\nabla S_{grad}] = \nabla KL(\pi\|ref) \text{ (or } KL(ref\|\pi))
 
-    for the unbiased gradient estimators (see the module docstring for each surrogate).
+    for the unbiased gradient estimators (each surrogate is in :mod:`klest.penalty`).
 
     Samples: sequences y ~ pi (or ~ behavior with ``logp_behavior``); for ``grad="pathwise"`` /
-    ``"stl"``, continuous samples x = g(theta, eps) reparameterized through pi's parameters.
+    ``"stl"``, continuous samples x = g(theta, eps) reparameterized through pi's parameters
+    (``reparameterized=True``).
+
+    See "On a few pitfalls in KL divergence gradient estimation for RL" by Yunhao Tang and Rémi
+    Munos (2025, https://arxiv.org/abs/2506.09477) and "The Chimera Estimator" by Kirato
+    Yoshihara (2026, https://kiratoyoshihara.github.io/essays/chimera-kl.html).
 
     Args:
       logp: log pi of the sampled tokens ``[..., T]`` (or samples ``[N]``), carrying the graph
         of the trainable model.
-      logp_ref: log ref of the same tokens. Reparameterized samples give it a graph (through x).
-      mask: bool ``[..., T]``: valid tokens.
-      value: value estimator: ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``, ``"cv"`` (with
-        ``alpha``) or ``"rb"`` (exact per-position KLs summed; needs logits).
-      grad: gradient estimator: ``"pathwise"``, ``"stl"``, ``"score"``, ``"cumulative"``,
-        ``"rb"``, ``"token"``, ``"autodiff"``.
+      logp_ref: log ref of the same tokens (a graph only through reparameterized samples).
+      estimator: the value: ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``, ``"cv"`` (with
+        ``alpha``) or ``"rb"`` (exact per-position KLs; needs logits).
+      grad: the gradient: ``"pathwise"``, ``"stl"``, ``"score"``, ``"cumulative"``, ``"rb"``,
+        ``"token"`` or ``"autodiff"`` (see ``GRADIENT_ESTIMATORS``).
+      direction: ``"pi||ref"`` or ``"ref||pi"``.
+      mask: bool ``[..., T]``: valid tokens. Rows may be empty.
+      reduction: by the rule of :mod:`klest.aggregation`: ``"seq-mean-token-sum"`` (default:
+        the sequence KL), ``"token-mean"``, ``"sum"``, ``"seq-mean-token-mean"`` (each sequence
+        divided by its length: not the gradient of a KL), ``"per-sequence"`` (one loss per
+        sequence) or ``"none"`` (one loss per token, ``[..., T]``, summing to the per-sequence
+        losses in value and gradient).
       baseline: ``"loo"``, ``"mean"`` or a :class:`~klest.BaselineEMA`, for ``score``,
         ``cumulative`` and ``rb``.
       group: integer ids ``logp.shape[:-1]``: samples of the same prompt (baselines and fitted
-        alphas are computed within a group).
-      direction: ``"pi||ref"`` or ``"ref||pi"``.
-      reduction: over sequences: ``"seq-mean-token-sum"`` (the sequence KL; default),
-        ``"token-mean"`` (the same divided by tokens per sequence on average), ``"sum"``,
-        ``"seq-mean-token-mean"`` (each sequence divided by its length: not the gradient of a
-        KL), ``"none"`` (one loss per sequence).
+        alphas are computed within a group; a group of one gets leave-one-out baseline 0).
+      reparameterized: the samples are x = g(theta, eps) and ``logp`` / ``logp_ref`` carry the
+        graph through x (VAEs, VI): required by ``pathwise`` / ``stl``, refused by the
+        score-function estimators.
+      level: ``"token"`` or ``"sequence"`` for the value (see :func:`klest.kl_estimate`).
+      alpha: coefficient for ``estimator="cv"`` (see :func:`klest.kl_estimate`).
       logp_behavior: log behavior of the tokens when they were not sampled from pi.
       logits: pi's next-token logits along the samples, ``logp.shape + (V,)``, with graph
-        (for ``value="rb"`` / ``grad="rb"``).
+        (for ``estimator="rb"`` / ``grad="rb"``).
       logits_ref: ref's, same shape.
       logp_stl: for ``grad="stl"``: log pi of the samples with pi's distribution parameters
         stopped (x itself still differentiable).
-      alpha: coefficient for ``value="cv"`` (see :func:`klest.kl_estimate`).
-      level: ``"token"`` or ``"sequence"`` for token-level values (see :func:`klest.kl_estimate`).
+      validate: run the value checks once for the whole call (None: the global default).
       return_details: also return a :class:`PenaltyDetails`.
 
     Returns:
-      The loss (a scalar, or one per sequence for ``reduction="none"``); with
-      ``return_details``, ``(loss, details)``.
+      The loss (a scalar, ``[...]`` for ``"per-sequence"``, ``[..., T]`` for ``"none"``) in the
+      compute dtype; with ``return_details``, ``(loss, details)``.
+
+    Raises:
+      ValueError: bad log-probs (as :func:`klest.kl_estimate`), a gradient estimator that does
+        not fit the samples (``reparameterized``), direction or baseline, or a non-finite
+        gradient surrogate.
+
+    Example:
+      >>> logp = torch.tensor([[-1.0, -0.5, -2.0], [-0.3, -0.9, -0.1]], requires_grad=True)
+      >>> logp_ref = torch.tensor([[-1.2, -0.4, -1.5], [-0.5, -0.7, -0.2]])
+      >>> mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+      >>> loss = kl_penalty(logp, logp_ref, mask=mask, estimator="k3", grad="cumulative",
+      ...                   baseline="loo", group=torch.tensor([0, 0]))
+      >>> loss.backward()
+      >>> logp.grad.shape
+      torch.Size([2, 3])
     """
     check_direction(direction)
-    check_choice("value", value, VALUES)
-    check_choice("grad", grad, GRADS)
-    _check_baseline(baseline, grad, direction)
-    lr = prepare_log_ratios(
-        logp, logp_ref, logp_behavior=logp_behavior, mask=mask, level="token", reduction=reduction
+    check_choice("estimator", estimator, Estimator)
+    check_choice("grad", grad, Grad)
+    check_choice("reduction", reduction, Reduction)
+    check_level(level, reduction)
+    check_flag("reparameterized", reparameterized)
+    est = GRADIENT_ESTIMATORS[grad]
+    _check_rules(
+        est,
+        direction=direction,
+        reparameterized=reparameterized,
+        baseline=baseline,
+        on_policy=logp_behavior is None,
+        logp_ref=logp_ref,
+        logp_stl=logp_stl,
     )
-    if level == "sequence" and reduction in ("token-mean", "seq-mean-token-mean"):
-        raise ValueError(f"reduction {reduction!r} needs token-level values, not level='sequence'")
-    groups = None if group is None else check_group(group, logp.shape, logp.device)
-    valid = lr.valid
-    seq_shape = logp.shape[:-1] if logp.ndim >= 2 else logp.shape
-    counts = valid.sum(-1).to(lr.delta.dtype)
-    logp_rows = torch.where(valid, as_rows(logp).to(lr.delta.dtype), 0.0)
-
+    checks = ValueChecks(resolve_validate(validate))
+    lr = prepare_log_ratios(logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks)
+    keys = None if group is None else group_keys(check_group(group, logp.shape, logp.device))
     kls = None
-    if "rb" in (value, grad):
-        kls = _position_kls(logits, logits_ref, logp, mask, direction, f"{value=}/{grad=} 'rb'")
-
-    # -- the value -------------------------------------------------------------------------
-    if value == "rb":
-        value_rows = (_rb_weights(lr, direction) * kls).sum(-1)
-    else:
-        per = kl_estimate(
+    if "rb" in (estimator, grad):
+        kls = exact_position_kls(
+            logits,
+            logits_ref,
             logp,
-            logp_ref,
-            estimator=value,
+            lr,
             direction=direction,
-            alpha=alpha,
-            logp_behavior=logp_behavior,
-            mask=mask,
-            level=level,
-            reduction="none",
-            group=groups.reshape(seq_shape)
-            if (groups is not None and isinstance(alpha, str))
-            else None,
+            checks=checks,
+            why=f"estimator={estimator!r} / grad={grad!r}",
         )
-        value_rows = as_rows(per).sum(-1) if level == "token" else per.reshape(-1)
+    stl_delta = None
+    if grad == "stl":
+        assert logp_stl is not None
+        check_float_tensor("logp_stl", logp_stl)
+        check_same_shape(logp=logp, logp_stl=logp_stl)
+        stl = as_rows(logp_stl).to(lr.delta.dtype) - as_rows(logp_ref).to(lr.delta.dtype)
+        stl_delta = torch.where(lr.valid, stl, 0.0)
+    _warn_about_gradient(
+        est, estimator, direction, reparameterized, logp, logp_ref, logits, logp_stl
+    )
 
-    # -- the surrogate ---------------------------------------------------------------------
-    inputs = _SurrogateInputs(lr, logp_rows, direction, baseline, groups)
-    if grad in ("pathwise", "stl"):
-        surrogate_rows = _pathwise(inputs, grad, logp, logp_ref, logp_stl)
-    elif grad == "autodiff":
-        if not logp_ref.requires_grad:
-            _warn(
-                f"grad='autodiff' of value={value!r} on sampled tokens is not an unbiased "
-                f"gradient of KL({direction}) (k1: mean 0; k3/cv: the other direction; see "
-                "klest.penalty); use grad='cumulative', 'score' or 'rb'"
-            )
-        surrogate_rows = value_rows
-    else:
-        if logp_ref.requires_grad:
-            _warn(
-                f"grad={grad!r} is a score-function gradient, but logp_ref carries a graph "
-                "(reparameterized samples, or a trained ref?): gradients through the samples "
-                "would mix in; detach the samples, or use grad='pathwise'"
-            )
-        if grad == "token" and int(counts.max()) > 1:
-            _warn(
-                "grad='token' is the per-token partial gradient: it misses the effect of each "
-                "token on later ones and is biased for a sequence KL; use 'cumulative'"
-            )
-        surrogate_rows = _SCORE_SURROGATES[grad](inputs, kls)
-
-    value_out = _reduce_rows(value_rows, counts, reduction, seq_shape)
-    surrogate_out = _reduce_rows(surrogate_rows, counts, reduction, seq_shape)
-    _check_surrogate_finite(surrogate_out, logp, logp_ref, logp_behavior, mask, direction)
-    loss = decouple(value_out, surrogate_out)
+    value = estimate_rows(
+        lr,
+        estimator=estimator,
+        direction=direction,
+        level=level,
+        alpha=alpha,
+        keys=keys,
+        kls=kls,
+        checks=checks,
+    )
+    logp_rows = torch.where(lr.valid, as_rows(logp).to(lr.delta.dtype), 0.0)
+    inputs = SurrogateInputs(lr, logp_rows, direction, value, baseline, keys, kls, stl_delta)
+    value_out = value.reduce(reduction)
+    surrogate_out = est.surrogate(inputs).reduce(reduction)
+    check_finite_surrogate(
+        surrogate_out, checks, _surrogate_explanation(logp, logp_ref, lr, direction)
+    )
+    checks.run()
+    loss = surrogate_out if grad == "autodiff" else join(value_out, surrogate_out)
     if not return_details:
         return loss
-    per_sequence = value_rows.detach().reshape(seq_shape)
-    diag = diagnostics(
-        value_rows.detach().unsqueeze(-1),
-        torch.ones_like(value_rows.unsqueeze(-1), dtype=torch.bool),
-        reduction="seq-mean-token-sum",
+    singletons = 0
+    if keys is not None:
+        singletons = int((group_sizes(keys) == 1).sum())
+    details = PenaltyDetails(
+        per_sequence=value.reduce("per-sequence").detach(),
+        diagnostics=value.diagnostics(reduction),
+        n_singleton_samples=singletons,
     )
-    return loss, PenaltyDetails(per_sequence, diag)
+    return WithDetails(loss, details)
+
+
+def _warn_about_gradient(
+    est: GradientEstimator,
+    estimator: str,
+    direction: str,
+    reparameterized: bool,
+    logp: Tensor,
+    logp_ref: Tensor,
+    logits: Tensor | None,
+    logp_stl: Tensor | None,
+) -> None:
+    """Warn when the chosen gradient is biased for the stated KL, or cannot reach the policy."""
+    if est.name == "autodiff" and not reparameterized:
+        _warn(
+            f"grad='autodiff' of estimator={estimator!r} on sampled tokens is not an unbiased "
+            f"gradient of KL({direction}) (k1: mean 0; k3/cv: the other direction; see "
+            "klest.penalty); use grad='cumulative', 'score' or 'rb'"
+        )
+    if est.name == "token" and logp.ndim >= 2 and logp.shape[-1] > 1:
+        _warn(
+            "grad='token' is the per-token partial gradient: it misses the effect of each "
+            "token on later ones and is biased for a sequence KL; use 'cumulative'"
+        )
+    carriers = (logp, logits, logp_stl, logp_ref if reparameterized else None)
+    if torch.is_grad_enabled() and not any(t is not None and t.requires_grad for t in carriers):
+        _warn(
+            f"grad={est.name!r}: logp does not require grad, so no gradient will reach the "
+            "policy (was it computed under torch.no_grad(), or detached?)"
+        )

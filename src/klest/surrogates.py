@@ -5,29 +5,38 @@ returns ``value`` and the backward pass the gradient of ``surrogate``,
 
 .. math:: \mathrm{decouple}(v, s) = \mathrm{sg}(v) + s - \mathrm{sg}(s),
 
-so a value estimator (k3, say) and a gradient estimator (k1's, say: the Chimera estimator of
-seed 000) are chosen independently. A score-function surrogate ``log pi(y) * sg(A)`` may subtract
-a baseline ``b`` from ``A`` without changing its expected gradient when ``b`` does not depend on
-the sample it multiplies (``E[b * grad log pi(y)] = E[b] E[grad log pi(y)] = 0``):
+so a value estimator (k3, say) and a gradient estimator (k1's pathwise gradient, say: the
+Chimera estimator) are chosen independently. A score-function surrogate
+:math:`\log\pi(y)\,\mathrm{sg}(A)` may subtract a baseline :math:`b` from :math:`A` without
+changing its expected gradient when :math:`b` does not depend on the sample it multiplies
+(:math:`E[b\,\nabla\log\pi(y)] = E[b]\,E[\nabla\log\pi(y)] = 0`):
 
-- ``"loo"``: the mean of the other samples of the same group (leave-one-out; unbiased);
+- ``"loo"``: the mean of the *other* samples of the same group (leave-one-out; unbiased). A
+  sample alone in its group (gradient accumulation can split a prompt's samples) gets 0;
 - ``"mean"``: the group mean *including* the sample itself: it scales the expected gradient by
   ``1 - 1/n`` (biased; offered because it is common);
 - :class:`BaselineEMA`: a moving average of earlier batches (unbiased).
 
-A baseline is not free: it adds the noise of its own estimate. See DESIGN.md section 3 and seed
-002 (arXiv:2506.09477) for leave-one-out baselines in KL gradients.
+Per-position baselines compare the t-th token of each completion: rows are aligned at their
+first valid token, so left- and right-padded batches give the same result.
+
+A baseline is not free: it adds the noise of its own estimate. See "On a few pitfalls in KL
+divergence gradient estimation for RL" by Yunhao Tang and Rémi Munos (2025,
+https://arxiv.org/abs/2506.09477) for leave-one-out baselines in KL gradients, and "The Chimera
+Estimator" by Kirato Yoshihara (2026, https://kiratoyoshihara.github.io/essays/chimera-kl.html).
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
-BASELINES = ("loo", "mean")
+from klest._checks import ValueChecks, check_decay, check_tensor, resolve_validate
 
 
-def decouple(value: Tensor, surrogate: Tensor) -> Tensor:
+def decouple(value: Tensor, surrogate: Tensor, *, validate: bool | None = None) -> Tensor:
     r"""``value`` in the forward pass, the gradient of ``surrogate`` in the backward pass.
 
     .. math:: \mathrm{sg}(value) + surrogate - \mathrm{sg}(surrogate)
@@ -37,97 +46,142 @@ def decouple(value: Tensor, surrogate: Tensor) -> Tensor:
 
     Args:
       value: the reported value (any shape).
-      surrogate: a tensor of the same shape whose gradient is the desired gradient; must be
+      surrogate: a tensor of the same shape whose gradient is the desired gradient; it must be
         finite (``inf - inf`` would put NaN in the value).
+      validate: check that ``surrogate`` is finite (None: the global default).
+
+    Returns:
+      A tensor equal to ``value`` whose gradient is ``surrogate``'s.
+
+    Example:
+      >>> x = torch.tensor(2.0, requires_grad=True)
+      >>> y = decouple(x**3, 5 * x)  # value 8, gradient 5
+      >>> y.backward()
+      >>> y.item(), x.grad.item()
+      (8.0, 5.0)
     """
-    if not isinstance(value, Tensor) or not isinstance(surrogate, Tensor):
-        raise TypeError("decouple takes two tensors")
+    check_tensor("value", value)
+    check_tensor("surrogate", surrogate)
     if value.shape != surrogate.shape:
         raise ValueError(
             f"value has shape {tuple(value.shape)} but surrogate has shape "
             f"{tuple(surrogate.shape)}; they must match"
         )
-    with torch.no_grad():
-        if not bool(torch.isfinite(surrogate).all()):
-            raise ValueError(
-                "surrogate is not finite (overflowing importance weights or log-ratios?); "
-                "its gradient would be NaN"
-            )
+    checks = ValueChecks(resolve_validate(validate))
+    checks.add(
+        ~torch.isfinite(surrogate),
+        lambda _: (
+            "surrogate is not finite (overflowing importance weights or log-ratios?); "
+            "its gradient would be NaN"
+        ),
+    )
+    checks.run()
+    return join(value, surrogate)
+
+
+def join(value: Tensor, surrogate: Tensor) -> Tensor:
+    """:func:`decouple` without checks (for callers that validated already)."""
     return value.detach() + (surrogate - surrogate.detach())
 
 
-class BaselineEMA:
-    """A baseline from an exponential moving average of earlier batches' targets.
+class BaselineEMA(nn.Module):
+    r"""A baseline from an exponential moving average of earlier batches' targets.
 
-    Per-sequence targets (score function) keep one average; per-position targets (cumulative)
-    keep one per position. Each call uses the average of *previous* batches (independent of the
-    current samples, so unbiased), then folds in the current batch. Before any update the
-    baseline is 0.
+    .. math:: b_t^{(k)} = \frac{\sum_{j<k} \gamma^{k-1-j} (1-\gamma)\, \bar A_t^{(j)}}
+                               {\sum_{j<k} \gamma^{k-1-j} (1-\gamma)}
+
+    where :math:`\bar A_t^{(j)}` is batch j's mean target at position t (over the rows valid
+    there), and batches without a valid row at t are skipped. Per-sequence targets (the score
+    function) keep one average; per-position targets (cumulative) one per position, counted from
+    each completion's first token. Each call uses the average of *previous* batches
+    (independent of the current samples, so the gradient stays unbiased), then folds the current
+    batch in. Before any batch the baseline is 0.
+
+    The averages live in buffers (``sums``, ``weights``) on the tensors' device, so they move
+    with ``.to()``, are saved in ``state_dict`` (a resumed run keeps them) and cost no host copy.
 
     Args:
-      decay: weight of the past, in [0, 1).
+      decay: :math:`\gamma`, the weight of the past, in [0, 1).
+
+    Example:
+      >>> ema = BaselineEMA(decay=0.5)
+      >>> valid = torch.ones(2, 1, dtype=torch.bool)
+      >>> ema(torch.tensor([[1.0], [3.0]]), valid)  # no history yet
+      tensor([[0.],
+              [0.]])
+      >>> ema(torch.tensor([[5.0], [7.0]]), valid)  # the mean of the first batch
+      tensor([[2.],
+              [2.]])
     """
+
+    sums: Tensor
+    weights: Tensor
 
     def __init__(self, *, decay: float = 0.9) -> None:
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1), got {decay}")
-        self.decay = decay
-        self._sum: Tensor | None = None  # decayed sums per position (index 0 for scalars)
-        self._weight: Tensor | None = None
+        super().__init__()
+        self.decay = check_decay(decay)
+        self.register_buffer("sums", torch.zeros(0, dtype=torch.float64))
+        self.register_buffer("weights", torch.zeros(0, dtype=torch.float64))
 
-    def __call__(self, targets: Tensor, valid: Tensor) -> Tensor:
-        """The baseline for ``targets`` (``[rows, T]``, ``valid`` bool), then update."""
+    def forward(self, targets: Tensor, valid: Tensor) -> Tensor:
+        """The baseline for ``targets`` (``[rows, T]``, detached; ``valid`` bool), then update."""
         t = targets.shape[-1]
-        targets = targets.detach().double()
-        if self._sum is None or self._sum.numel() < t:
-            grow = t if self._sum is None else t - self._sum.numel()
-            pad = torch.zeros(grow, dtype=torch.float64)
-            self._sum = pad.clone() if self._sum is None else torch.cat([self._sum, pad])
-            self._weight = pad.clone() if self._weight is None else torch.cat([self._weight, pad])
-        known = self._weight[:t] > 0
-        mean = torch.where(known, self._sum[:t] / self._weight[:t].clamp(min=1e-300), 0.0)
-        baseline = mean.to(device=targets.device).expand_as(targets)
-        count = valid.sum(0).double().cpu()
-        batch_sum = torch.where(valid, targets, 0.0).sum(0).cpu()
-        seen = count > 0
-        batch_mean = torch.where(seen, batch_sum / count.clamp(min=1.0), 0.0)
-        self._sum[:t] = torch.where(
-            seen, self.decay * self._sum[:t] + (1 - self.decay) * batch_mean, self._sum[:t]
-        )
-        self._weight[:t] = torch.where(
-            seen, self.decay * self._weight[:t] + (1 - self.decay), self._weight[:t]
-        )
+        self._grow(t, targets.device)
+        sums, weights = self.sums[:t], self.weights[:t]
+        mean = torch.where(weights > 0, sums / weights.clamp(min=1e-300), 0.0)
+        baseline = mean.to(targets.dtype).expand_as(targets).clone()
+        with torch.no_grad():
+            count = valid.sum(0).double()
+            batch_mean = torch.where(valid, targets.detach().double(), 0.0).sum(0)
+            batch_mean = batch_mean / count.clamp(min=1.0)
+            seen = count > 0
+            g = self.decay
+            sums.copy_(torch.where(seen, g * sums + (1 - g) * batch_mean, sums))
+            weights.copy_(torch.where(seen, g * weights + (1 - g), weights))
         return baseline
 
-    def __repr__(self) -> str:
-        return f"BaselineEMA(decay={self.decay})"
+    def _grow(self, t: int, device: torch.device) -> None:
+        if self.sums.device != device:
+            self.to(device)
+        if self.sums.numel() < t:
+            pad = torch.zeros(t - self.sums.numel(), dtype=torch.float64, device=device)
+            self.sums = torch.cat([self.sums, pad])
+            self.weights = torch.cat([self.weights, pad])
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args) -> None:
+        # The buffers grow with the longest sequence seen; take the saved length.
+        for name in ("sums", "weights"):
+            saved = state_dict.get(prefix + name)
+            if isinstance(saved, Tensor):
+                setattr(self, name, torch.zeros_like(saved, device=getattr(self, name).device))
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+    def extra_repr(self) -> str:
+        return f"decay={self.decay}"
 
 
-def group_baseline(targets: Tensor, valid: Tensor, kind: str, group: Tensor | None) -> Tensor:
-    """Leave-one-out or mean baseline of ``targets`` ``[rows, T]`` within each group.
+def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> Tensor:
+    """Leave-one-out (``"loo"``) or mean baseline of ``targets`` ``[rows, T]`` within each group.
 
-    Positions are averaged separately (over the rows where they are valid); a row's own value
-    is excluded for ``"loo"``. Where no other row is valid at a position the baseline is 0.
+    ``keys`` ``[rows]`` are group keys (:func:`klest.aggregation.group_keys`). Positions are
+    averaged separately, over the rows valid there; ``"loo"`` excludes the row's own value.
+    Where no (other) row is valid at a position the baseline is 0. In ``targets``' dtype.
     """
     rows = targets.shape[0]
-    if group is None:
-        group = torch.zeros(rows, dtype=torch.long, device=targets.device)
-    _, group = torch.unique(group, return_inverse=True)
-    n_groups = int(group.max()) + 1
-    if kind == "loo":
-        sizes = torch.bincount(group, minlength=n_groups)
-        if int(sizes.min()) < 2:
-            raise ValueError(
-                "baseline='loo' needs at least 2 samples per group (leave-one-out over the "
-                f"others); the smallest group has {int(sizes.min())}"
-            )
     x = torch.where(valid, targets.detach().double(), 0.0)
-    shape = (n_groups, targets.shape[-1])
-    sums = torch.zeros(shape, dtype=torch.float64, device=x.device).index_add_(0, group, x)
+    shape = (rows, targets.shape[-1])
+    sums = torch.zeros(shape, dtype=torch.float64, device=x.device).index_add_(0, keys, x)
     counts = torch.zeros(shape, dtype=torch.float64, device=x.device).index_add_(
-        0, group, valid.double()
+        0, keys, valid.double()
     )
-    own_sum, own_count = sums[group], counts[group]
+    own_sum, own_count = sums[keys], counts[keys]
     if kind == "loo":
         own_sum, own_count = own_sum - x, own_count - valid.double()
-    return torch.where(own_count > 0, own_sum / own_count.clamp(min=1.0), 0.0)
+    baseline = torch.where(own_count > 0, own_sum / own_count.clamp(min=1.0), 0.0)
+    return baseline.to(targets.dtype)
+
+
+def group_sizes(keys: Tensor) -> Tensor:
+    """How many rows share each row's group, ``[rows]``."""
+    ones = torch.ones_like(keys, dtype=torch.int64)
+    return torch.zeros_like(ones).index_add_(0, keys, ones)[keys]

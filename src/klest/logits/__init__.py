@@ -11,14 +11,14 @@ the rest is tested against), the row statistics and the chunked engine, the Trit
 # ruff: noqa: I001
 from klest.logits.reference import categorical_kl
 from klest.logits._stats import KLRowStats
-from klest.logits.from_logits import LogitsKL
+from klest.logits._call import LogitsDetails
 from klest.logits.from_logits import kl_from_logits
 from klest.logits.from_hidden import kl_from_hidden
 from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
 
 __all__ = [
     "KLRowStats",
-    "LogitsKL",
+    "LogitsDetails",
     "categorical_kl",
     "kl_from_hidden",
     "kl_from_logits",

@@ -86,6 +86,7 @@ def workspace_bytes_per_row(v: int) -> int:
 
 def _chunks(n: int, rows: Tensor | None, size: int) -> Iterator[slice | Tensor]:
     """Row selections of at most ``size`` rows: slices of ``range(n)``, or pieces of ``rows``."""
+    size = max(size, 1)
     if rows is None:
         for s in range(0, n, size):
             yield slice(s, min(s + size, n))
@@ -125,7 +126,7 @@ def _label_logps(la: Tensor, labels: Tensor | None) -> Tensor:
 
 
 @dataclass(frozen=True)
-class _Want:
+class _ChunkNeeds:
     """What a chunk computes besides ``KL(q||p)``: ``p``, ``KL(p||q)``, the entropy."""
 
     p: bool
@@ -137,11 +138,11 @@ class _Want:
 class _Chunk:
     """One chunk's statistics and the tensors its KL gradients are made of.
 
-    ``d = log q - log p``; ``stats[2] = sum q d = KL(q||p)``, ``stats[3] = -sum p d = KL(p||q)``
-    (0 when not wanted; ``p`` is None when not needed).
+    ``d = log q - log p``; ``stats.kl_pi_ref = sum q d = KL(q||p)``,
+    ``stats.kl_ref_pi = -sum p d = KL(p||q)`` (0 when not wanted; ``p`` is None when not needed).
     """
 
-    stats: tuple[Tensor, ...]
+    stats: KLRowStats
     q: Tensor
     p: Tensor | None
     d: Tensor
@@ -153,7 +154,7 @@ class _Chunk:
         q, p, d = self.q, self.p, self.d
         if direction == "ref||pi":
             return torch.sub(q, p, out=out)
-        torch.sub(d, self.stats[2].unsqueeze(1), out=out).mul_(q)
+        torch.sub(d, self.stats.kl_pi_ref.unsqueeze(1), out=out).mul_(q)
         return out.masked_fill_(q == 0, 0.0) if self.masked else out
 
     def grad_b(self, direction: str, out: Tensor) -> Tensor:
@@ -162,7 +163,7 @@ class _Chunk:
         assert p is not None
         if direction == "pi||ref":
             return torch.sub(p, q, out=out)
-        torch.sub(-self.stats[3].unsqueeze(1), d, out=out).mul_(p)
+        torch.sub(-self.stats.kl_ref_pi.unsqueeze(1), d, out=out).mul_(p)
         return out.masked_fill_(p == 0, 0.0) if self.masked else out
 
 
@@ -172,7 +173,7 @@ def _plogq(w: Tensor, x: Tensor) -> Tensor:
 
 
 def _chunk_stats(
-    a: Tensor, b: Tensor, labels: Tensor | None, want: _Want, *, masked: bool
+    a: Tensor, b: Tensor, labels: Tensor | None, want: _ChunkNeeds, *, masked: bool
 ) -> _Chunk:
     """Statistics of a chunk of rows (module docstring).
 
@@ -204,33 +205,49 @@ def _chunk_stats(
         d = torch.sub(la, lb, out=lb)  # in lb's buffer
         kl_ab = _rowdot(q, d)
         kl_ba = -_rowdot(p, d) if want.kl_ba else zeros
-    stats = (
-        lse_a,
-        lse_b,
-        kl_ab.clamp_(min=0.0),
-        kl_ba.clamp_(min=0.0),
-        ent.clamp_(min=0.0),
-        logp_label,
-        logp_ref_label,
+    stats = KLRowStats(
+        lse_z=lse_a,
+        lse_y=lse_b,
+        kl_pi_ref=kl_ab.clamp_(min=0.0),
+        kl_ref_pi=kl_ba.clamp_(min=0.0),
+        entropy=ent.clamp_(min=0.0),
+        logp_label=logp_label,
+        logp_ref_label=logp_ref_label,
     )
     return _Chunk(stats, q, p, d, masked)
+
+
+def _nonfinite_rows(stats: KLRowStats) -> Tensor:
+    """Rows whose fast-path sums are not all finite (they hold ``-inf``, NaN or ``+inf``)."""
+    sums = torch.stack([stats.lse_z, stats.lse_y, stats.kl_pi_ref, stats.kl_ref_pi, stats.entropy])
+    return ~torch.isfinite(sums).all(0)
 
 
 def _work_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _write_rows(
+def _write_chunk_grad(
     target: Tensor,
     sel: slice | Tensor,
-    make: Callable[[Tensor], object],
-    shape: torch.Size,
+    grad: Callable[[_Chunk, str, Tensor], Tensor],
+    direction: str,
+    fast: _Chunk,
+    slow: _Chunk | None,
+    slow_rows: Tensor | None,
     inv_tau: float,
 ) -> None:
-    """``target[sel] = make(buffer) / tau``, computed straight into ``target`` when it can be."""
+    """``target[sel] = grad / tau`` for one chunk: the fast rows' gradient, with the rows redone
+    on the masked path (``slow_rows`` of the chunk) overwritten by ``slow``'s. Written straight
+    into ``target`` when the selection is a slice of the work dtype."""
     direct = isinstance(sel, slice) and target.dtype == _work_dtype(target)
-    out = target[sel] if direct else torch.empty(shape, dtype=_work_dtype(target))
-    make(out)
+    out = target[sel] if direct else torch.empty(fast.q.shape, dtype=_work_dtype(target))
+    grad(fast, direction, out)
+    if slow is not None:
+        assert slow_rows is not None
+        out.index_copy_(
+            0, slow_rows, grad(slow, direction, torch.empty_like(out[: len(slow_rows)]))
+        )
     if inv_tau != 1.0:
         out.mul_(inv_tau)
     if not direct:
@@ -283,34 +300,27 @@ def row_stats(
 
     out = torch.zeros(7, n, dtype=_work_dtype(z), device=z.device)
     kl_ba = want_kl_ref_pi or stash == "ref||pi"
-    want = _Want(p=kl_ba or stash_y is not None, kl_ba=kl_ba, entropy=want_entropy)
+    needs = _ChunkNeeds(p=kl_ba or stash_y is not None, kl_ba=kl_ba, entropy=want_entropy)
     dtype = out.dtype
     for sel in _chunks(n, rows, chunk):
         a = _scaled(_take(z, sel), inv_tau, dtype)
         b = _scaled(_take(y, sel), inv_tau, dtype)
         lab = None if labels is None else _take(labels, sel)
-        fast = _chunk_stats(a, b, lab, want, masked=False)
-        bad = ~torch.isfinite(sum(fast.stats[:5]))
-        slow = idx = None
-        stats = fast.stats
-        if bool(bad.any()):
-            idx = bad.nonzero().view(-1)
-            sub_lab = None if lab is None else lab[idx]
-            slow = _chunk_stats(a[idx], b[idx], sub_lab, want, masked=True)
-            stats = tuple(s.index_copy(0, idx, t) for s, t in zip(stats, slow.stats, strict=True))
-        _put(out, sel, torch.stack(stats))
+        fast = _chunk_stats(a, b, lab, needs, masked=False)
+        bad = _nonfinite_rows(fast.stats)
+        slow = slow_rows = None
+        stats = torch.stack(fast.stats)
+        if bool(bad.any()):  # rows with -inf entries (or NaN, rejected by the caller)
+            slow_rows = bad.nonzero().view(-1)
+            sub_lab = None if lab is None else lab[slow_rows]
+            slow = _chunk_stats(a[slow_rows], b[slow_rows], sub_lab, needs, masked=True)
+            stats = stats.index_copy(1, slow_rows, torch.stack(slow.stats))
+        _put(out, sel, stats)
         if not stash:
             continue
         for target, grad in ((stash_z, _Chunk.grad_a), (stash_y, _Chunk.grad_b)):
-            if target is None:
-                continue
-
-            def make(o, grad=grad, fast=fast, slow=slow, idx=idx):
-                grad(fast, stash, o)
-                if slow is not None:
-                    o.index_copy_(0, idx, grad(slow, stash, torch.empty_like(o[: len(idx)])))
-
-            _write_rows(target, sel, make, a.shape, inv_tau)
+            if target is not None:
+                _write_chunk_grad(target, sel, grad, stash, fast, slow, slow_rows, inv_tau)
     return KLRowStats(*out.unbind(0))
 
 
@@ -335,15 +345,16 @@ def _row_col(g: Tensor | None, sel: slice | Tensor) -> Tensor | None:
 def _grads_chunk(
     a: Tensor,
     b: Tensor,
-    st: list[Tensor],
+    st: KLRowStats,
     lab: Tensor | None,
-    g: list[Tensor | None],
+    g: Grads,
     need_z: bool,
     need_y: bool,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Recomputed ``dL/da`` and ``dL/db`` of one chunk (see the module docstring)."""
-    lse_a, lse_b, kl_ab, kl_ba, ent = (s.unsqueeze(1) for s in st)
-    g1, g2, g3, g4, g5 = g
+    """Recomputed ``dL/da`` and ``dL/db`` of one chunk (see the module docstring); ``st`` and
+    ``g`` hold the chunk's rows as columns ``[rows, 1]``."""
+    lse_a, lse_b, kl_ab, kl_ba, ent = st.lse_z, st.lse_y, st.kl_pi_ref, st.kl_ref_pi, st.entropy
+    g1, g2, g3, g4, g5 = g.kl_pi_ref, g.kl_ref_pi, g.entropy, g.logp_label, g.logp_ref_label
     la = a - lse_a
     q = la.exp()
     p = torch.sub(b, lse_b).exp_()
@@ -400,7 +411,6 @@ def row_grads(
     chunk: int,
 ) -> tuple[Tensor | None, Tensor | None]:
     """Gradients w.r.t. ``z`` and ``y`` (in their dtypes; 0 on rows not selected)."""
-    g = [grads.kl_pi_ref, grads.kl_ref_pi, grads.entropy, grads.logp_label, grads.logp_ref_label]
     need_z = need_z and grads.any_z()
     need_y = need_y and grads.any_y()
     if backend == "triton":
@@ -410,11 +420,11 @@ def row_grads(
             KLRowStats(*(s.float() for s in stats)),
             temperature=1.0 / inv_tau,
             labels=labels,
-            grad_kl_pi_ref=g[0],
-            grad_kl_ref_pi=g[1],
-            grad_entropy=g[2],
-            grad_logp_label=g[3],
-            grad_logp_ref_label=g[4],
+            grad_kl_pi_ref=grads.kl_pi_ref,
+            grad_kl_ref_pi=grads.kl_ref_pi,
+            grad_entropy=grads.entropy,
+            grad_logp_label=grads.logp_label,
+            grad_logp_ref_label=grads.logp_ref_label,
             need_grad_z=need_z,
             need_grad_y=need_y,
         )
@@ -422,11 +432,10 @@ def row_grads(
 
     n = z.shape[0]
     dtype = stats.lse_z.dtype
-    dz = _zero_rows_outside(z, rows) if need_z else None
-    dy = _zero_rows_outside(y, rows) if need_y else None
+    dz = zeroed_rows_buffer(z, rows) if need_z else None
+    dy = zeroed_rows_buffer(y, rows) if need_y else None
     if not (need_z or need_y):
         return dz, dy
-    st = list(stats[:5])
     for sel in _chunks(n, rows, chunk):
         a = _scaled(_take(z, sel), inv_tau, dtype)
         b = _scaled(_take(y, sel), inv_tau, dtype)
@@ -434,9 +443,9 @@ def row_grads(
         da, db = _grads_chunk(
             a,
             b,
-            [_take(s, sel) for s in st],
+            KLRowStats(*(_row_col(s, sel) for s in stats)),
             lab,
-            [_row_col(t, sel) for t in g],
+            Grads(*(_row_col(g, sel) for g in grads)),
             need_z,
             need_y,
         )
@@ -446,8 +455,9 @@ def row_grads(
     return dz, dy
 
 
-def _zero_rows_outside(x: Tensor, rows: Tensor | None) -> Tensor:
-    """A gradient buffer like ``x``: uninitialised for all rows, else zeros (rows are filled)."""
+def zeroed_rows_buffer(x: Tensor, rows: Tensor | None) -> Tensor:
+    """A buffer like ``x`` to fill row by row: uninitialised when every row will be written
+    (``rows`` None), else zeros (rows not selected stay 0)."""
     if rows is None:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
     return torch.zeros_like(x, memory_format=torch.contiguous_format)

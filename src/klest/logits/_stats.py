@@ -6,14 +6,14 @@ A leaf module: the chunked PyTorch engine (:mod:`klest.logits._rows`), the Trito
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import NamedTuple
 
 from torch import Tensor
 
 
 class KLRowStats(NamedTuple):
-    """Per-row results of :func:`kl_logits_forward`; every field is float32 ``[N]``."""
+    """Per-row statistics of two logit tensors; every field is ``[N]``, float32 (float64 for
+    float64 logits on the PyTorch path)."""
 
     lse_z: Tensor
     """``logsumexp(z / tau)``."""
@@ -31,8 +31,7 @@ class KLRowStats(NamedTuple):
     """``y[label] / tau - lse_y``; 0 where the label is outside ``[0, V)`` or ``labels`` is None."""
 
 
-@dataclass(frozen=True)
-class Grads:
+class Grads(NamedTuple):
     """Upstream gradients ``g1..g5`` of the five per-row outputs (``None``: no term)."""
 
     kl_pi_ref: Tensor | None = None

@@ -12,41 +12,43 @@ backward recomputes each chunk's logits and applies
     \frac{\partial L}{\partial W} = G^\top h, \qquad
     \frac{\partial L}{\partial b} = \textstyle\sum_n G_n,
 
-with ``G = dL/dz`` of the chunk (DESIGN.md section 3), and likewise on ref's side when its
-tensors require grad. Peak memory beyond inputs and gradients: one chunk of logits for each model
-and the chunk workspace.
+with ``G = dL/dz`` of the chunk (the logits gradient of :mod:`klest.logits.from_logits`), and
+likewise on ref's side when its tensors require grad. Peak memory beyond inputs and gradients:
+one chunk of logits for each model and the chunk workspace.
 
-Source: the fused linear + loss idea of Liger-Kernel's fused linear cross-entropy, applied to the
-exact KL of seed 003 (arXiv:2504.10637).
+The fused linear + loss idea is Liger-Kernel's fused linear cross-entropy, here applied to the
+exact KL of "Better Estimation of the Kullback-Leibler Divergence Between Language Models" by
+Afra Amini, Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 from torch.autograd.function import once_differentiable
 
-from klest._checks import check_choice
+from klest._checks import (
+    ValueChecks,
+    check_float_tensor,
+    check_linear,
+    check_rows_have_distributions,
+    check_temperature,
+    resolve_validate,
+)
+from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
+from klest.aggregation import WithDetails
+from klest.logits._call import LogitsDetails, check_plan_options, finish, positions
 from klest.logits._rows import (
-    BACKENDS,
-    Grads,
     chunk_rows,
     resolve_backend,
     row_grads,
     row_stats,
     workspace_bytes_per_row,
 )
-from klest.logits._stats import KLRowStats
-from klest.logits.from_logits import (
-    LogitsKL,
-    check_chunking,
-    check_rows_finite,
-    check_temperature,
-    finish,
-    positions,
-)
+from klest.logits._stats import Grads, KLRowStats
 
 
 @dataclass(frozen=True)
@@ -58,14 +60,81 @@ class _HiddenPlan:
     direction: str
 
 
-def _linear(h: Tensor, w: Tensor, b: Tensor | None) -> Tensor:
-    return torch.nn.functional.linear(h, w, b)
-
-
 def _chunk_selections(n: int, rows: Tensor | None, size: int, device: torch.device):
     """Index tensors of at most ``size`` rows (all rows, or the kept ``rows``)."""
     idx = torch.arange(n, device=device) if rows is None else rows
     return idx.split(size)
+
+
+@dataclass(frozen=True)
+class _Head:
+    """One model's side: hidden states ``[N, H]``, LM head ``[V, H]`` and bias, or logits."""
+
+    hidden: Tensor | None
+    weight: Tensor | None
+    bias: Tensor | None
+    logits: Tensor | None = None
+
+    def chunk_logits(self, idx: Tensor) -> Tensor:
+        if self.logits is not None:
+            return self.logits.index_select(0, idx)
+        assert self.hidden is not None and self.weight is not None
+        return torch.nn.functional.linear(self.hidden.index_select(0, idx), self.weight, self.bias)
+
+
+class _HeadGrads:
+    """Gradients of one side, accumulated over chunks: per-row tensors (hidden states, logits)
+    written row by row, weights and biases summed (in float32 at least)."""
+
+    def __init__(self, head: _Head, need: tuple[bool, bool, bool, bool]) -> None:
+        self.head = head
+        wide = torch.float32
+
+        def zeros(t: Tensor | None, needed: bool, *, summed: bool) -> Tensor | None:
+            if t is None or not needed:
+                return None
+            dtype = torch.promote_types(t.dtype, wide) if summed else t.dtype
+            return torch.zeros_like(t, dtype=dtype)
+
+        self.hidden = zeros(head.hidden, need[0], summed=False)
+        self.weight = zeros(head.weight, need[1], summed=True)
+        self.bias = zeros(head.bias, need[2], summed=True)
+        self.logits = zeros(head.logits, need[3], summed=False)
+
+    @property
+    def needed(self) -> bool:
+        return any(g is not None for g in (self.hidden, self.weight, self.bias, self.logits))
+
+    def add(self, idx: Tensor, d: Tensor | None) -> None:
+        """Fold in ``d = dL/dlogits`` of the chunk ``idx``."""
+        if d is None:
+            return
+        head = self.head
+        if self.logits is not None:
+            self.logits.index_copy_(0, idx, d.to(self.logits.dtype))
+        if head.weight is None or head.hidden is None:
+            return
+        if self.hidden is not None:
+            self.hidden.index_copy_(
+                0, idx, (d.to(head.weight.dtype) @ head.weight).to(self.hidden.dtype)
+            )
+        if self.weight is not None:
+            # The chunk's product in the inputs' dtype (fp32 accumulation inside the matmul),
+            # summed over chunks in float32.
+            self.weight.add_(d.T @ head.hidden.index_select(0, idx).to(d.dtype))
+        if self.bias is not None:
+            self.bias.add_(d.sum(0).to(self.bias.dtype))
+
+    def result(self) -> Iterator[Tensor | None]:
+        """``(d hidden, d weight, d bias, d logits)`` in the inputs' dtypes."""
+        head = self.head
+        for g, t in (
+            (self.hidden, head.hidden),
+            (self.weight, head.weight),
+            (self.bias, head.bias),
+            (self.logits, head.logits),
+        ):
+            yield None if g is None or t is None else g.to(t.dtype)
 
 
 class _HiddenKL(torch.autograd.Function):
@@ -73,13 +142,14 @@ class _HiddenKL(torch.autograd.Function):
     ``(h_ref, W_ref, b_ref)``."""
 
     @staticmethod
-    def forward(ctx, h, w, b, h_ref, w_ref, b_ref, y, labels, rows, plan: _HiddenPlan):
+    def forward(ctx, h, w, b, h_ref, w_ref, b_ref, y, labels, rows, plan, checks: ValueChecks):
         ctx.set_materialize_grads(False)
+        pi, ref = _Head(h, w, b), _Head(h_ref, w_ref, b_ref, y)
         n = h.shape[0]
         dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
         out = torch.zeros(7, n, dtype=dtype, device=h.device)
         for idx in _chunk_selections(n, rows, plan.chunk, h.device):
-            z_c, y_c = _chunk_logits(idx, h, w, b, h_ref, w_ref, b_ref, y)
+            z_c, y_c = pi.chunk_logits(idx), ref.chunk_logits(idx)
             stats = row_stats(
                 z_c,
                 y_c,
@@ -94,7 +164,7 @@ class _HiddenKL(torch.autograd.Function):
             )
             out.index_copy_(1, idx, torch.stack(stats).to(dtype))
         stats = KLRowStats(*out.unbind(0))
-        check_rows_finite(stats, rows)
+        check_rows_have_distributions(stats.lse_z, stats.lse_y, None, checks)
         ctx.plan = plan
         ctx.save_for_backward(h, w, b, h_ref, w_ref, b_ref, y, labels, rows, out)
         return (
@@ -111,9 +181,10 @@ class _HiddenKL(torch.autograd.Function):
         plan: _HiddenPlan = ctx.plan
         h, w, b, h_ref, w_ref, b_ref, y, labels, rows, out = ctx.saved_tensors
         need = ctx.needs_input_grad
-        acc = _GradAccumulators(need, h, w, b, h_ref, w_ref, b_ref, y)
+        pi = _HeadGrads(_Head(h, w, b), (need[0], need[1], need[2], False))
+        ref = _HeadGrads(_Head(h_ref, w_ref, b_ref, y), (need[3], need[4], need[5], need[6]))
         for idx in _chunk_selections(h.shape[0], rows, plan.chunk, h.device):
-            z_c, y_c = _chunk_logits(idx, h, w, b, h_ref, w_ref, b_ref, y)
+            z_c, y_c = pi.head.chunk_logits(idx), ref.head.chunk_logits(idx)
             dz_c, dy_c = row_grads(
                 z_c,
                 y_c,
@@ -122,91 +193,47 @@ class _HiddenKL(torch.autograd.Function):
                 inv_tau=plan.inv_tau,
                 labels=None if labels is None else labels.index_select(0, idx),
                 rows=None,
-                need_z=any(need[0:3]),
-                need_y=any(need[3:7]),
+                need_z=pi.needed,
+                need_y=ref.needed,
                 backend=plan.backend,
                 chunk=z_c.shape[0],
             )
-            acc.add(idx, dz_c, dy_c)
-        return (*acc.result(), None, None, None)
+            pi.add(idx, dz_c)
+            ref.add(idx, dy_c)
+        d_h, d_w, d_b, _ = pi.result()
+        d_h_ref, d_w_ref, d_b_ref, d_y = ref.result()
+        return d_h, d_w, d_b, d_h_ref, d_w_ref, d_b_ref, d_y, None, None, None, None
 
 
-def _chunk_logits(idx, h, w, b, h_ref, w_ref, b_ref, y) -> tuple[Tensor, Tensor]:
-    z_c = _linear(h.index_select(0, idx), w, b)
-    y_c = (
-        y.index_select(0, idx)
-        if y is not None
-        else _linear(h_ref.index_select(0, idx), w_ref, b_ref)
-    )
-    return z_c, y_c
-
-
-class _GradAccumulators:
-    """Gradients of the linear layers, accumulated over chunks (weights in float32)."""
-
-    def __init__(self, need, h, w, b, h_ref, w_ref, b_ref, y):
-        self.tensors = (h, w, b, h_ref, w_ref, b_ref, y)
-        self.need = need[:7]
-        self.grads: list[Tensor | None] = []
-        for i, t in enumerate(self.tensors):
-            if not self.need[i]:
-                self.grads.append(None)
-            elif i in (0, 3, 6):  # per-row tensors: each row written once
-                self.grads.append(torch.zeros_like(t))
-            else:  # weights and biases: summed over chunks, in float32 at least
-                self.grads.append(
-                    torch.zeros_like(t, dtype=torch.promote_types(t.dtype, torch.float32))
-                )
-
-    def _side(self, offset: int, idx: Tensor, d: Tensor | None) -> None:
-        h, w = self.tensors[offset], self.tensors[offset + 1]
-        gh, gw, gb = self.grads[offset : offset + 3]
-        if d is None or h is None:
-            return
-        if gh is not None:
-            gh.index_copy_(0, idx, (d.to(w.dtype) @ w).to(gh.dtype))
-        if gw is not None:
-            # The chunk's product in the inputs' dtype (fp32 accumulation inside the matmul),
-            # summed over chunks in float32.
-            gw.add_(d.T @ h.index_select(0, idx).to(d.dtype))
-        if gb is not None:
-            gb.add_(d.sum(0).to(gb.dtype))
-
-    def add(self, idx: Tensor, dz: Tensor | None, dy: Tensor | None) -> None:
-        self._side(0, idx, dz)
-        self._side(3, idx, dy)
-        if self.grads[6] is not None and dy is not None:
-            self.grads[6].index_copy_(0, idx, dy.to(self.grads[6].dtype))
-
-    def result(self) -> tuple[Tensor | None, ...]:
-        return tuple(
-            None if g is None else g.to(t.dtype)
-            for g, t in zip(self.grads, self.tensors, strict=True)
-        )
-
-
-def _check_linear(prefix: str, h: object, w: object, b: object) -> tuple[Tensor, Tensor]:
-    for name, t in ((f"hidden{prefix}", h), (f"weight{prefix}", w)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must have a floating-point dtype, got {t.dtype}")
-    assert isinstance(h, Tensor) and isinstance(w, Tensor)
-    if w.dim() != 2:
-        raise ValueError(f"weight{prefix} must be [V, H], got shape {tuple(w.shape)}")
-    if h.dim() < 1 or h.shape[-1] != w.shape[1]:
+def _ref_side(
+    lead: torch.Size,
+    v: int,
+    hidden_ref: Tensor | None,
+    weight_ref: Tensor | None,
+    bias_ref: Tensor | None,
+    logits_ref: Tensor | None,
+) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """Ref's distribution as ``(h_ref [N, H_ref], W_ref, y [N, V])``: one of the two forms."""
+    if (logits_ref is None) == (hidden_ref is None and weight_ref is None):
+        raise ValueError("give ref's distribution as either (hidden_ref, weight_ref) or logits_ref")
+    if logits_ref is not None:
+        check_float_tensor("logits_ref", logits_ref, what="logits")
+        if logits_ref.shape != (*lead, v):
+            raise ValueError(
+                f"logits_ref has shape {tuple(logits_ref.shape)}; expected {(*lead, v)} "
+                f"(hidden's positions {tuple(lead)} and weight's V = {v})"
+            )
+        return None, None, logits_ref.reshape(-1, v)
+    if hidden_ref is None or weight_ref is None:
+        raise ValueError("hidden_ref and weight_ref go together")
+    check_linear("_ref", hidden_ref, weight_ref, bias_ref)
+    if hidden_ref.shape[:-1] != lead or weight_ref.shape[0] != v:
         raise ValueError(
-            f"hidden{prefix} has shape {tuple(h.shape)} but weight{prefix} has shape "
-            f"{tuple(w.shape)}; hidden{prefix}'s last dim must equal weight{prefix}'s H"
+            f"hidden_ref {tuple(hidden_ref.shape)} / weight_ref {tuple(weight_ref.shape)} do not "
+            f"match hidden's positions {tuple(lead)} and V = {v}: same positions and the same "
+            "vocabulary V are needed"
         )
-    if b is not None and (not isinstance(b, Tensor) or b.shape != (w.shape[0],)):
-        raise ValueError(
-            f"bias{prefix} must be a tensor of shape ({w.shape[0]},), got "
-            f"{tuple(b.shape) if isinstance(b, Tensor) else type(b).__name__}"
-        )
-    if h.device != w.device:
-        raise ValueError(f"hidden{prefix} is on {h.device} but weight{prefix} is on {w.device}")
-    return h, w
+    return hidden_ref.reshape(-1, hidden_ref.shape[-1]), weight_ref, None
 
 
 def kl_from_hidden(
@@ -218,17 +245,18 @@ def kl_from_hidden(
     logits_ref: Tensor | None = None,
     bias: Tensor | None = None,
     bias_ref: Tensor | None = None,
-    direction: str = "pi||ref",
-    temperature: float = 1.0,
+    direction: Direction = "pi||ref",
     mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
     labels: Tensor | None = None,
     ignore_index: int = -100,
-    reduction: str = "none",
-    return_entropy: bool = False,
     memory_budget: int | None = None,
     chunk_size: int | None = None,
-    backend: str = "auto",
-) -> Tensor | LogitsKL:
+    backend: Backend = "auto",
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
     r"""Exact per-position KL between pi = softmax(h W^T / T) and ref, fused with the LM head.
 
     .. math::
@@ -238,58 +266,52 @@ def kl_from_hidden(
 
     (or :math:`KL(ref\|\pi)`), equal to :func:`klest.kl_from_logits` on the materialized logits,
     with gradients to ``hidden``, ``weight``, ``bias`` and, when they require grad, to ref's
-    tensors (module docstring). No samples: the exact per-position term (seed 003).
+    tensors. No samples: the exact per-position term; no ``[N, V]`` tensor ever exists.
+
+    See "Better Estimation of the Kullback-Leibler Divergence Between Language Models" by Afra
+    Amini, Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637).
 
     Args:
-      hidden: pi's final hidden states ``[..., H]``.
+      hidden: pi's final hidden states ``[..., H]`` (positions already shifted: position t
+        predicts token t + 1).
       weight: pi's LM head ``[V, H]`` (``nn.Linear(H, V).weight``).
       hidden_ref: ref's hidden states ``[..., H_ref]`` (same positions), with ``weight_ref``
         ``[V, H_ref]``; or give ``logits_ref`` ``[..., V]`` instead.
       weight_ref: ref's LM head.
       logits_ref: ref's logits, instead of ``hidden_ref`` / ``weight_ref``.
-      bias, bias_ref: optional LM-head biases ``[V]``.
-      direction, temperature, mask, labels, ignore_index, reduction, return_entropy, backend:
-        as in :func:`klest.kl_from_logits`.
+      bias: pi's LM-head bias ``[V]``, if any.
+      bias_ref: ref's LM-head bias ``[V]``, if any.
+      direction: ``"pi||ref"`` or ``"ref||pi"``.
+      mask: bool ``[...]``, True at positions that count.
+      reduction: as in :func:`klest.kl_from_logits` (default ``"seq-mean-token-sum"``).
+      temperature: :math:`T > 0`, dividing both models' logits.
+      labels: int ``[...]`` sampled token ids; ``ignore_index`` positions are masked.
+      ignore_index: the label of positions to leave out.
       memory_budget: bytes for one chunk's logits and workspace (default 32 MiB on the CPU,
         1 GiB on a GPU).
       chunk_size: rows per chunk, overriding ``memory_budget``.
+      backend: as in :func:`klest.kl_from_logits`.
+      validate: as in :func:`klest.kl_from_logits`.
+      return_details: also return a :class:`~klest.LogitsDetails`.
 
     Returns:
-      As :func:`klest.kl_from_logits`: the reduced KL, or a :class:`~klest.LogitsKL` with labels
-      or ``return_entropy``.
+      As :func:`klest.kl_from_logits`.
+
+    Example:
+      >>> head, ref_head = torch.nn.Linear(8, 50), torch.nn.Linear(8, 50)
+      >>> h, h_ref = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+      >>> kl = kl_from_hidden(h, head.weight, h_ref, ref_head.weight, bias=head.bias,
+      ...                     bias_ref=ref_head.bias)
+      >>> kl.backward()  # gradients reach head.weight and head.bias
+      >>> head.weight.grad.shape
+      torch.Size([50, 8])
     """
-    check_choice("backend", backend, BACKENDS)
-    check_chunking(memory_budget, chunk_size)
-    inv_tau = check_temperature(temperature)
-    _check_linear("", hidden, weight, bias)
-    lead = hidden.shape[:-1]
-    v = weight.shape[0]
-    if (logits_ref is None) == (hidden_ref is None and weight_ref is None):
-        raise ValueError("give ref's distribution as either (hidden_ref, weight_ref) or logits_ref")
-    if logits_ref is not None:
-        if not isinstance(logits_ref, Tensor) or not logits_ref.is_floating_point():
-            raise TypeError("logits_ref must be a floating-point torch.Tensor")
-        if logits_ref.shape != (*lead, v):
-            raise ValueError(
-                f"logits_ref has shape {tuple(logits_ref.shape)}; expected {(*lead, v)} "
-                f"(hidden's positions {tuple(lead)} and weight's V = {v})"
-            )
-        y = logits_ref.reshape(-1, v)
-        h_ref = w_ref = None
-    else:
-        if hidden_ref is None or weight_ref is None:
-            raise ValueError("hidden_ref and weight_ref go together")
-        _check_linear("_ref", hidden_ref, weight_ref, bias_ref)
-        if hidden_ref.shape[:-1] != lead or weight_ref.shape[0] != v:
-            raise ValueError(
-                f"hidden_ref {tuple(hidden_ref.shape)} / weight_ref {tuple(weight_ref.shape)} do "
-                f"not match hidden {tuple(hidden.shape)} / weight {tuple(weight.shape)}: same "
-                "positions and the same vocabulary V are needed"
-            )
-        y = None
-        h_ref, w_ref = hidden_ref.reshape(-1, hidden_ref.shape[-1]), weight_ref
-    if hidden.numel() == 0:
-        raise ValueError(f"hidden is empty (shape {tuple(hidden.shape)})")
+    check_plan_options(backend, memory_budget, chunk_size)
+    tau = check_temperature(temperature)
+    check_linear("", hidden, weight, bias)
+    lead, v = hidden.shape[:-1], weight.shape[0]
+    h_ref, w_ref, y = _ref_side(lead, v, hidden_ref, weight_ref, bias_ref, logits_ref)
+    checks = ValueChecks(resolve_validate(validate))
     pos = positions(
         lead,
         hidden.device,
@@ -299,7 +321,8 @@ def kl_from_hidden(
         labels=labels,
         vocab_size=v,
         ignore_index=ignore_index,
-        return_entropy=return_entropy,
+        details=return_details,
+        checks=checks,
     )
     h = hidden.reshape(-1, hidden.shape[-1])
     resolved = resolve_backend(backend, h)
@@ -307,13 +330,14 @@ def kl_from_hidden(
     per_row = v * hidden.element_size() * 3
     per_row += workspace_bytes_per_row(v) if resolved == "torch" else 0
     plan = _HiddenPlan(
-        inv_tau=inv_tau,
-        want_entropy=return_entropy,
+        inv_tau=1.0 / tau,
+        want_entropy=return_details,
         backend=resolved,
         chunk=chunk_rows(per_row, h.device, memory_budget, chunk_size),
         direction=direction,
     )
     outputs = _HiddenKL.apply(
-        h, weight, bias, h_ref, w_ref, bias_ref, y, pos.labels, pos.rows, plan
+        h, weight, bias, h_ref, w_ref, bias_ref, y, pos.labels, pos.rows, plan, checks
     )
+    checks.run()
     return finish(outputs, pos)

@@ -1,8 +1,8 @@
 r"""Exact KL between categorical distributions given by logits or log-probabilities.
 
 Plain PyTorch over the full last dimension: right for small vocabularies and as the slow,
-obviously correct reference that faster paths are tested against. It materializes a few
-``[..., V]`` tensors; the memory-bounded large-vocabulary path is :mod:`klest.logits.from_logits`.
+obviously correct reference that the faster paths are tested against. It materializes a few
+``[..., V]`` tensors; the memory-bounded large-vocabulary path is :func:`klest.kl_from_logits`.
 """
 
 from __future__ import annotations
@@ -10,22 +10,17 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from klest._checks import check_direction, check_float_tensor, check_mask, compute_dtype
+from klest._checks import (
+    ValueChecks,
+    check_direction,
+    check_logits_pair,
+    check_mask,
+    check_rows_have_distributions,
+    compute_dtype,
+    resolve_validate,
+)
+from klest._types import DEFAULT_REDUCTION, Direction, Reduction
 from klest.aggregation import aggregate
-
-
-def _check_logits(name: str, z: Tensor, keep: Tensor | None) -> None:
-    """Reject NaN / +inf entries and all -inf rows among the kept positions."""
-    with torch.no_grad():
-        bad = (torch.isnan(z) | (z == float("inf"))).any(-1)
-        dead = (z == float("-inf")).all(-1)
-        for flags, what in ((bad, "NaN or +inf entries"), (dead, "all entries -inf")):
-            flags = flags if keep is None else flags & keep
-            if bool(flags.any()):
-                raise ValueError(
-                    f"{name} has {int(flags.sum())} row(s) with {what} (first at index "
-                    f"{tuple(flags.nonzero()[0].tolist())}); mask such rows out"
-                )
 
 
 def _plogq_diff(logq: Tensor, logp: Tensor) -> Tensor:
@@ -40,9 +35,10 @@ def categorical_kl(
     logits: Tensor,
     logits_ref: Tensor,
     *,
-    direction: str = "pi||ref",
+    direction: Direction = "pi||ref",
     mask: Tensor | None = None,
-    reduction: str = "none",
+    reduction: Reduction = DEFAULT_REDUCTION,
+    validate: bool | None = None,
 ) -> Tensor:
     r"""Exact KL between categorical distributions ``softmax(logits)`` and ``softmax(logits_ref)``.
 
@@ -50,42 +46,52 @@ def categorical_kl(
         KL(\pi\|ref) = \sum_v \pi_v (\log \pi_v - \log ref_v), \quad
         \pi = \mathrm{softmax}(z), \; ref = \mathrm{softmax}(y)
 
-    and :math:`KL(ref\|\pi)` for ``direction="ref||pi"``. No sampling: this is the exact value
-    (the Rao-Blackwellized per-position term of seed 003). Gradients flow to both inputs by
-    autodiff: :math:`\partial KL(\pi\|ref)/\partial z = \pi \odot (\log\pi - \log ref - KL)` and
-    :math:`\partial/\partial y = ref - \pi` (DESIGN.md section 3).
+    and :math:`KL(ref\|\pi)` for ``direction="ref||pi"``. No sampling: the exact value (the
+    Rao-Blackwellized per-position term, when positions lie along sampled sequences). Gradients
+    flow to both inputs by autodiff:
+    :math:`\partial KL(\pi\|ref)/\partial z = \pi \odot (\log\pi - \log ref - KL)` and
+    :math:`\partial/\partial y = ref - \pi`.
 
     Entries equal to ``-inf`` are outside the support (``0 log 0 = 0``); mass of the first
-    distribution where the second has none gives ``+inf``.
+    distribution where the second has none gives ``+inf``. For large vocabularies use
+    :func:`klest.kl_from_logits`, which never holds ``[..., V]`` float32 intermediates.
 
     Args:
       logits: pi's logits (or log-probs), ``[..., V]``, any float dtype (computed in >= fp32).
       logits_ref: ref's logits, same shape.
       direction: ``"pi||ref"`` or ``"ref||pi"``.
       mask: ``[...]`` bool or 0/1: positions to keep (others give 0 and are not checked).
-      reduction: as in :func:`klest.aggregate`, over the per-position KLs ``[...]``.
+      reduction: over the per-position KLs ``[...]`` by the rule of :mod:`klest.aggregation`
+        (default ``"seq-mean-token-sum"``; ``"none"`` keeps ``[...]``).
+      validate: check for rows with NaN / ``+inf`` entries or no finite entry (None: the global
+        default).
 
     Returns:
-      Per-position KL ``[...]`` for ``reduction="none"``, else a scalar.
+      The reduced KL (per position ``[...]`` for ``reduction="none"``).
+
+    Example:
+      >>> z = torch.tensor([[0.0, 1.0, 2.0], [0.0, 0.0, 0.0]])
+      >>> categorical_kl(z, torch.zeros(2, 3), reduction="none")  # the uniform row gives 0
+      tensor([0.2348, 0.0000])
     """
     check_direction(direction)
-    check_float_tensor("logits", logits)
-    check_float_tensor("logits_ref", logits_ref)
-    if logits.shape != logits_ref.shape:
-        raise ValueError(
-            f"logits has shape {tuple(logits.shape)} but logits_ref has shape "
-            f"{tuple(logits_ref.shape)}; they must match (same vocabulary size V)"
-        )
-    keep = None if mask is None else check_mask(mask, logits.shape[:-1], logits.device)
-    _check_logits("logits", logits, keep)
-    _check_logits("logits_ref", logits_ref, keep)
+    logits, logits_ref = check_logits_pair(logits, logits_ref)
+    checks = ValueChecks(resolve_validate(validate))
+    keep = (
+        None
+        if mask is None
+        else check_mask(mask, logits.shape[:-1], logits.device, checks, of="the positions")
+    )
     dtype = compute_dtype(logits, logits_ref)
     z, y = logits.to(dtype), logits_ref.to(dtype)
     if keep is not None:
         # Masked rows become uniform: finite, and their (zeroed) value passes no gradient.
         z = torch.where(keep.unsqueeze(-1), z, torch.zeros_like(z))
         y = torch.where(keep.unsqueeze(-1), y, torch.zeros_like(y))
+    with torch.no_grad():
+        check_rows_have_distributions(z.logsumexp(-1), y.logsumexp(-1), keep, checks)
+    checks.run()
     log_pi = torch.log_softmax(z, dim=-1)
     log_ref = torch.log_softmax(y, dim=-1)
     kl = _plogq_diff(log_pi, log_ref) if direction == "pi||ref" else _plogq_diff(log_ref, log_pi)
-    return aggregate(kl, mask=mask, reduction=reduction)
+    return aggregate(kl, mask=keep, reduction=reduction, validate=False)

@@ -27,16 +27,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from klest._checks import ValueChecks, check_logits_pair, check_temperature, resolve_validate
+from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
+from klest.aggregation import WithDetails
+from klest.logits._call import LogitsDetails, finish, plan_for, positions
 from klest.logits._stats import KLRowStats
-from klest.logits.from_logits import (
-    LogitsKL,
-    check_logits_pair,
-    check_temperature,
-    finish,
-    plan_for,
-    positions,
-    rows_kl,
-)
+from klest.logits.from_logits import rows_kl
 
 
 def _shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[int, int]:
@@ -105,17 +101,18 @@ def kl_from_logits_vocab_parallel(
     *,
     group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
-    direction: str = "pi||ref",
-    temperature: float = 1.0,
+    direction: Direction = "pi||ref",
     mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
     labels: Tensor | None = None,
     ignore_index: int = -100,
-    reduction: str = "none",
-    return_entropy: bool = False,
     memory_budget: int | None = None,
     chunk_size: int | None = None,
-    backend: str = "auto",
-) -> Tensor | LogitsKL:
+    backend: Backend = "auto",
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
     r"""Exact per-position KL when both models' logits are sharded over the vocabulary.
 
     .. math::
@@ -131,10 +128,17 @@ def kl_from_logits_vocab_parallel(
       logits_ref: this rank's shard of ref's logits, same shape.
       group: the tensor-parallel process group (default: the world).
       vocab_size: the full V, checked against the sum of the shard sizes when given.
-      labels: *global* token ids ``[...]`` (each rank passes the same labels).
-      direction, temperature, mask, ignore_index, reduction, return_entropy, memory_budget,
-        chunk_size, backend: as in :func:`klest.kl_from_logits` (mask and labels identical on
-        every rank).
+      direction: ``"pi||ref"`` or ``"ref||pi"``.
+      mask: bool ``[...]``, identical on every rank.
+      reduction: as in :func:`klest.kl_from_logits`.
+      temperature: :math:`T > 0`.
+      labels: *global* token ids ``[...]``, identical on every rank.
+      ignore_index: the label of positions to leave out.
+      memory_budget: as in :func:`klest.kl_from_logits`.
+      chunk_size: as in :func:`klest.kl_from_logits`.
+      backend: as in :func:`klest.kl_from_logits`.
+      validate: as in :func:`klest.kl_from_logits` (the checks run after the merge).
+      return_details: also return a :class:`~klest.LogitsDetails`.
 
     Returns:
       As :func:`klest.kl_from_logits`.
@@ -142,7 +146,8 @@ def kl_from_logits_vocab_parallel(
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError("kl_from_logits_vocab_parallel needs an initialized torch.distributed")
     logits, logits_ref = check_logits_pair(logits, logits_ref)
-    inv_tau = check_temperature(temperature)
+    tau = check_temperature(temperature)
+    checks = ValueChecks(resolve_validate(validate))
     v_local = logits.shape[-1]
     z, y = logits.reshape(-1, v_local), logits_ref.reshape(-1, v_local)
     offset, v_total = _shard_layout(z.shape[0], v_local, group, z.device)
@@ -159,7 +164,8 @@ def kl_from_logits_vocab_parallel(
         labels=labels,
         vocab_size=v_total,
         ignore_index=ignore_index,
-        return_entropy=return_entropy,
+        details=return_details,
+        checks=checks,
     )
     local = owner = None
     if pos.labels is not None:
@@ -171,7 +177,7 @@ def kl_from_logits_vocab_parallel(
         z,
         y,
         pos,
-        inv_tau=inv_tau,
+        temperature=tau,
         backend=backend,
         memory_budget=memory_budget,
         chunk_size=chunk_size,
@@ -181,4 +187,6 @@ def kl_from_logits_vocab_parallel(
     def merge(stats: KLRowStats, rows: Tensor | None) -> KLRowStats:
         return _merge_shards(stats, rows, group=group, owner=owner)
 
-    return finish(rows_kl(z, y, local, pos.rows, replace(plan, merge=merge)), pos)
+    outputs = rows_kl(z, y, local, pos.rows, replace(plan, merge=merge), checks)
+    checks.run()
+    return finish(outputs, pos)

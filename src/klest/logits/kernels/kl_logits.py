@@ -44,9 +44,18 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from klest._checks import (
+    check_int_ids,
+    check_logits_pair,
+    check_row_vector,
+    check_temperature,
+)
 from klest.logits._stats import KLRowStats
 
 _KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_KERNEL_WHAT = (
+    "the kernels compute in float32; for float64 use kl_from_logits(..., backend='torch')"
+)
 _MIN_BLOCK_V = 16
 _MAX_BLOCK_V = 65536
 # Default vocabulary block, with _num_warps(1024) = 4 warps: 8 elements per thread per tensor.
@@ -98,65 +107,18 @@ def _check_device(z: Tensor) -> None:
 
 
 def _check_logits(z: object, y: object) -> tuple[Tensor, Tensor]:
-    for name, t in (("z", z), ("y", y)):
-        if not isinstance(t, Tensor):
-            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype not in _KERNEL_DTYPES:
-            raise TypeError(
-                f"{name} must be float32, bfloat16 or float16 (the kernels compute in float32), "
-                f"got {t.dtype}; use klest.categorical_kl for float64"
-            )
-        if t.dim() != 2:
-            raise ValueError(f"{name} must be 2-D [N, V], got shape {tuple(t.shape)}")
-    assert isinstance(z, Tensor) and isinstance(y, Tensor)
-    if z.shape != y.shape:
-        raise ValueError(
-            f"z has shape {tuple(z.shape)} but y has shape {tuple(y.shape)}; they must match"
-        )
-    if z.device != y.device:
-        raise ValueError(f"z is on {z.device} but y is on {y.device}; they must be on one device")
-    if z.shape[1] == 0:
-        raise ValueError(f"z and y have an empty vocabulary (shape {tuple(z.shape)})")
+    z, y = check_logits_pair(
+        z, y, names=("z", "y"), dtypes=_KERNEL_DTYPES, matrix=True, what=_KERNEL_WHAT
+    )
     # The kernels index rows by a stride and columns contiguously.
     return (z if z.stride(1) == 1 else z.contiguous()), (y if y.stride(1) == 1 else y.contiguous())
-
-
-def _check_temperature(temperature: object) -> float:
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
-        raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    tau = float(temperature)
-    if not (math.isfinite(tau) and tau > 0.0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
-    return tau
 
 
 def _check_labels(labels: object, n: int, device: torch.device) -> Tensor | None:
     if labels is None:
         return None
-    if not isinstance(labels, Tensor):
-        raise TypeError(f"labels must be a torch.Tensor of token ids, got {type(labels).__name__}")
-    if labels.is_floating_point() or labels.is_complex() or labels.dtype == torch.bool:
-        raise TypeError(f"labels must hold integer token ids (int64), got dtype {labels.dtype}")
-    if labels.shape != (n,):
-        raise ValueError(
-            f"labels has shape {tuple(labels.shape)} but z has {n} rows; give one label per row, "
-            f"shape ({n},)"
-        )
-    if labels.device != device:
-        raise ValueError(f"labels is on {labels.device} but z is on {device}")
+    labels = check_int_ids("labels", labels, torch.Size((n,)), device, of="the rows of z")
     return labels.to(torch.int64).contiguous()
-
-
-def _row_vector(name: str, t: object, n: int, device: torch.device) -> Tensor:
-    if not isinstance(t, Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if not t.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point tensor, got dtype {t.dtype}")
-    if t.shape != (n,):
-        raise ValueError(f"{name} has shape {tuple(t.shape)} but z has {n} rows; expected ({n},)")
-    if t.device != device:
-        raise ValueError(f"{name} is on {t.device} but z is on {device}")
-    return t.to(torch.float32).contiguous()
 
 
 def _block_v(block_v: object, v: int) -> int:
@@ -238,7 +200,7 @@ def kl_logits_forward(
       Rows with NaN / ``+inf`` logits, or entirely ``-inf``, are the caller's to reject (NaN).
     """
     z, y = _check_logits(z, y)
-    tau = _check_temperature(temperature)
+    tau = check_temperature(temperature)
     n, v = z.shape
     labels = _check_labels(labels, n, z.device)
     bv = _block_v(block_v, v)
@@ -326,7 +288,7 @@ def kl_logits_backward(
       term reaches them), or None where not needed.
     """
     z, y = _check_logits(z, y)
-    tau = _check_temperature(temperature)
+    tau = check_temperature(temperature)
     n, v = z.shape
     dev = z.device
     labels = _check_labels(labels, n, dev)
@@ -334,11 +296,11 @@ def kl_logits_backward(
     if not isinstance(stats, tuple) or len(stats) != len(KLRowStats._fields):
         raise TypeError("stats must be the KLRowStats returned by kl_logits_forward")
     stats = KLRowStats(*stats)
-    lse_z = _row_vector("stats.lse_z", stats.lse_z, n, dev)
-    lse_y = _row_vector("stats.lse_y", stats.lse_y, n, dev)
-    kl_ab = _row_vector("stats.kl_pi_ref", stats.kl_pi_ref, n, dev)
-    kl_ba = _row_vector("stats.kl_ref_pi", stats.kl_ref_pi, n, dev)
-    ent = _row_vector("stats.entropy", stats.entropy, n, dev)
+    lse_z = check_row_vector("stats.lse_z", stats.lse_z, n, dev)
+    lse_y = check_row_vector("stats.lse_y", stats.lse_y, n, dev)
+    kl_ab = check_row_vector("stats.kl_pi_ref", stats.kl_pi_ref, n, dev)
+    kl_ba = check_row_vector("stats.kl_ref_pi", stats.kl_ref_pi, n, dev)
+    ent = check_row_vector("stats.entropy", stats.entropy, n, dev)
     names = (
         "grad_kl_pi_ref",
         "grad_kl_ref_pi",
@@ -348,7 +310,7 @@ def kl_logits_backward(
     )
     given = (grad_kl_pi_ref, grad_kl_ref_pi, grad_entropy, grad_logp_label, grad_logp_ref_label)
     g = [
-        None if t is None else _row_vector(nm, t, n, dev)
+        None if t is None else check_row_vector(nm, t, n, dev)
         for nm, t in zip(names, given, strict=True)
     ]
     g1, g2, g3, g4, g5 = g

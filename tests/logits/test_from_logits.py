@@ -23,8 +23,10 @@ import torch
 
 import klest
 from klest.logits.from_logits import kl_from_logits
+from tests._reference import assert_verbose_close, logits_reference
 
 INF = math.inf
+KL_KEY = {"pi||ref": "kl_pi_ref", "ref||pi": "kl_ref_pi"}
 ULP = {
     torch.float64: 2.0**-52,
     torch.float32: 2.0**-23,
@@ -34,37 +36,9 @@ ULP = {
 
 
 def reference(z, y, *, direction="pi||ref", temperature=1.0, labels=None):
-    """Plain float64 log_softmax formulas; ``0 log 0 = 0`` (safe in both branches for autodiff)."""
-    la = torch.log_softmax(z.double() / temperature, -1)
-    lb = torch.log_softmax(y.double() / temperature, -1)
-    q, p = la.exp(), lb.exp()
-
-    def plogq(w, lw, lx):
-        on = w > 0
-        return torch.where(on, w * torch.where(on, lw - lx, 0.0), 0.0).sum(-1)
-
-    out = {
-        "pi||ref": plogq(q, la, lb),
-        "ref||pi": plogq(p, lb, la),
-        "entropy": -plogq(q, la, torch.zeros_like(la)),
-    }
-    if labels is not None:
-        safe = labels.clamp(min=0).unsqueeze(-1)
-        out["logp"] = la.gather(-1, safe).squeeze(-1)
-        out["logp_ref"] = lb.gather(-1, safe).squeeze(-1)
-    out["kl"] = out[direction]
-    return out
-
-
-def assert_close(actual, expected, *, atol, rtol, what):
-    actual, expected = actual.double(), expected.double()
-    err = (actual - expected).abs()
-    bound = atol + rtol * expected.abs()
-    bad = err > bound
-    assert not bool(bad.any()), (
-        f"{what}: {int(bad.sum())}/{err.numel()} entries differ; worst |diff| "
-        f"{float(err.max()):.3g} at {tuple(bad.nonzero()[0].tolist())}"
-    )
+    """:func:`logits_reference`, with ``"kl"`` the KL in ``direction``."""
+    out = logits_reference(z, y, temperature, labels)
+    return out | {"kl": out[KL_KEY[direction]]}
 
 
 def arithmetic_scale(z, y, temperature=1.0, upstream=None):
@@ -91,7 +65,7 @@ def grad_close(actual, expected, dtype, *, scale, ulps, what, upstream_scale=1.0
     eps = 2.0**-52 if dtype == torch.float64 else 2.0**-24
     subnormal_spacing = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
     atol = 32 * eps * scale + ulps * subnormal_spacing * upstream_scale
-    assert_close(actual, expected, atol=atol, rtol=ulps * ULP[dtype], what=what)
+    assert_verbose_close(actual, expected, atol=atol, rtol=ulps * ULP[dtype], what=what)
 
 
 def value_tol(dtype):
@@ -121,7 +95,13 @@ def test_values_and_gradients_match_reference(shape, dtype, direction, stash):
     upstream = _logits(shape[:-1], torch.float64, seed + 2, scale=1.0)
     for temperature, chunk in ((1.0, None), (0.7, 2)):
         kl = kl_from_logits(
-            z, y, direction=direction, temperature=temperature, chunk_size=chunk, stash=stash
+            z,
+            y,
+            direction=direction,
+            reduction="none",
+            temperature=temperature,
+            chunk_size=chunk,
+            stash=stash,
         )
         assert kl.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
         dz, dy = torch.autograd.grad((kl.double() * upstream).sum(), [z, y])
@@ -130,7 +110,7 @@ def test_values_and_gradients_match_reference(shape, dtype, direction, stash):
         ref = reference(zr, yr, direction=direction, temperature=temperature)["kl"]
         rz, ry = torch.autograd.grad((ref * upstream).sum(), [zr, yr])
         what = f"{shape} {dtype} {direction} T={temperature} stash={stash}"
-        assert_close(kl, ref, atol=value_tol(dtype)[0], rtol=value_tol(dtype)[1], what=what)
+        assert_verbose_close(kl, ref, atol=value_tol(dtype)[0], rtol=value_tol(dtype)[1], what=what)
         ulps = 1.0 if stash else 0.5
         scale = arithmetic_scale(z, y, temperature, upstream)
         g_scale = upstream.abs().clamp(min=1.0).unsqueeze(-1)
@@ -154,20 +134,27 @@ def test_labels_entropy_and_all_gradients(direction):
     labels = torch.randint(0, 19, (3, 4), generator=torch.Generator().manual_seed(3))
     labels[0, 1] = -100
     g = [_logits((3, 4), torch.float64, s, scale=1.0) for s in range(10, 14)]
-    out = kl_from_logits(
-        z, y, direction=direction, labels=labels, return_entropy=True, temperature=1.3
+    kl, details = kl_from_logits(
+        z,
+        y,
+        direction=direction,
+        reduction="none",
+        labels=labels,
+        temperature=1.3,
+        return_details=True,
     )
-    assert isinstance(out, klest.LogitsKL)
+    assert isinstance(details, klest.LogitsDetails)
+    out = (kl, details.logp, details.logp_ref, details.entropy)
     loss = sum((t.double() * w).sum() for t, w in zip(out, g, strict=True))
     dz, dy = torch.autograd.grad(loss, [z, y])
 
     zr, yr = z.detach().double().requires_grad_(), y.detach().double().requires_grad_()
     ref = reference(zr, yr, direction=direction, temperature=1.3, labels=labels)
     keep = labels != -100
-    parts = [ref["kl"], ref["logp"], ref["logp_ref"], ref["entropy"]]
+    parts = [ref["kl"], ref["logp_label"], ref["logp_ref_label"], ref["entropy"]]
     parts = [torch.where(keep, t, 0.0) for t in parts]
     for name, a, b in zip(("kl", "logp", "logp_ref", "entropy"), out, parts, strict=True):
-        assert_close(a, b, atol=2e-5, rtol=2e-5, what=name)
+        assert_verbose_close(a, b, atol=2e-5, rtol=2e-5, what=name)
     rz, ry = torch.autograd.grad(
         sum((t * w).sum() for t, w in zip(parts, g, strict=True)), [zr, yr]
     )
@@ -186,17 +173,18 @@ def test_gradcheck_float64_all_outputs():
     for direction in ("pi||ref", "ref||pi"):
 
         def f(z, y, direction=direction):
-            out = kl_from_logits(
+            kl, d = kl_from_logits(
                 z,
                 y,
                 direction=direction,
+                reduction="none",
                 labels=labels,
                 mask=mask,
-                return_entropy=True,
                 temperature=0.8,
                 chunk_size=2,
+                return_details=True,
             )
-            return out.kl, out.logp, out.logp_ref, out.entropy
+            return kl, d.logp, d.logp_ref, d.entropy
 
         assert torch.autograd.gradcheck(f, (z, y))
 
@@ -218,13 +206,13 @@ def test_masked_vocabulary_entries_are_outside_the_support():
     y[:, 8:] = -INF
     z.requires_grad_()
     for direction in ("pi||ref", "ref||pi"):
-        kl = kl_from_logits(z, y, direction=direction)
+        kl = kl_from_logits(z, y, direction=direction, reduction="none")
         (dz,) = torch.autograd.grad(kl.sum(), [z])
         small = z.detach()[:, :8].double().requires_grad_()
         ref = reference(small, y[:, :8], direction=direction)["kl"]
         (rz,) = torch.autograd.grad(ref.sum(), [small])
         assert torch.isfinite(kl).all() and torch.isfinite(dz).all()
-        assert_close(kl, ref, atol=2e-5, rtol=2e-5, what=direction)
+        assert_verbose_close(kl, ref, atol=2e-5, rtol=2e-5, what=direction)
         scale = arithmetic_scale(z[:, :8], y[:, :8])
         grad_close(dz[:, :8], rz, torch.float32, scale=scale, ulps=1, what="dz")
         assert float(dz[:, 8:].abs().max()) == 0.0
@@ -235,19 +223,19 @@ def test_mass_outside_the_other_support_gives_inf_not_nan():
     y = _logits((3, 6), torch.float32, 12)
     y[0, 2] = -INF  # pi has mass where ref has none: KL(pi||ref) = inf, KL(ref||pi) finite
     z[1, 4] = -INF  # the other way round
-    kl_pr = kl_from_logits(z, y, direction="pi||ref")
-    kl_rp = kl_from_logits(z, y, direction="ref||pi")
+    kl_pr = kl_from_logits(z, y, direction="pi||ref", reduction="none")
+    kl_rp = kl_from_logits(z, y, direction="ref||pi", reduction="none")
     assert kl_pr[0] == INF and torch.isfinite(kl_rp[0])
     assert kl_rp[1] == INF and torch.isfinite(kl_pr[1])
     ref = reference(z, y)
-    assert_close(kl_pr[1:], ref["pi||ref"][1:], atol=2e-5, rtol=2e-5, what="finite rows")
+    assert_verbose_close(kl_pr[1:], ref["kl_pi_ref"][1:], atol=2e-5, rtol=2e-5, what="finite rows")
 
 
 def test_identical_inputs_give_exactly_zero():
     z = _logits((4, 6, 50), torch.float32, 13).requires_grad_()
     y = z.detach().clone().requires_grad_()
     for direction in ("pi||ref", "ref||pi"):
-        kl = kl_from_logits(z, y, direction=direction, temperature=0.9)
+        kl = kl_from_logits(z, y, direction=direction, reduction="none", temperature=0.9)
         dz, dy = torch.autograd.grad(kl.sum(), [z, y])
         assert float(kl.detach().abs().max()) == 0.0
         assert float(dz.abs().max()) == 0.0 and float(dy.abs().max()) == 0.0
@@ -261,26 +249,26 @@ def test_mask_excludes_rows_that_may_hold_garbage():
     y[1, 3] = -INF
     z.requires_grad_()
     for stash in (True, False):
-        kl = kl_from_logits(z, y, mask=mask, stash=stash)
+        kl = kl_from_logits(z, y, mask=mask, reduction="none", stash=stash)
         (dz,) = torch.autograd.grad(kl.sum(), [z])
         assert float(kl.detach()[~mask].abs().max()) == 0.0 and float(dz[~mask].abs().max()) == 0.0
         ref = reference(z.detach(), y)["kl"]
-        assert_close(kl[mask], ref[mask], atol=2e-5, rtol=2e-5, what="kept rows")
+        assert_verbose_close(kl[mask], ref[mask], atol=2e-5, rtol=2e-5, what="kept rows")
     for reduction in ("seq-mean-token-sum", "token-mean", "seq-mean-token-mean", "sum"):
         got = kl_from_logits(z, y, mask=mask, reduction=reduction)
         want = klest.aggregate(
             torch.where(mask, reference(z.detach(), y)["kl"], 0.0), mask=mask, reduction=reduction
         )
-        assert_close(got, want, atol=2e-5, rtol=2e-5, what=reduction)
+        assert_verbose_close(got, want, atol=2e-5, rtol=2e-5, what=reduction)
 
 
 def test_matches_categorical_kl_and_memory_budget_chunks_agree():
     z = _logits((40, 70), torch.float32, 16)
     y = _logits((40, 70), torch.float32, 17)
-    exact = klest.categorical_kl(z.double(), y.double())
+    exact = klest.categorical_kl(z.double(), y.double(), reduction="none")
     for budget in (1, 5 * 4 * 70 * 3, 2**30):  # 1 row, 3 rows, all rows per chunk
-        got = kl_from_logits(z, y, memory_budget=budget)
-        assert_close(got, exact, atol=2e-5, rtol=2e-5, what=f"budget {budget}")
+        got = kl_from_logits(z, y, reduction="none", memory_budget=budget)
+        assert_verbose_close(got, exact, atol=2e-5, rtol=2e-5, what=f"budget {budget}")
 
 
 def test_no_vocabulary_sized_tensor_is_saved_for_backward():
@@ -325,7 +313,7 @@ def test_no_grad_and_ref_only_gradient():
     y = _logits((3, 8), torch.float32, 23).requires_grad_()
     with torch.no_grad():
         assert not kl_from_logits(z, y).requires_grad
-    kl = kl_from_logits(z, y, direction="ref||pi")
+    kl = kl_from_logits(z, y, direction="ref||pi", reduction="none")
     (dy,) = torch.autograd.grad(kl.sum(), [y])
     yr = y.detach().double().requires_grad_()
     (ry,) = torch.autograd.grad(reference(z, yr, direction="ref||pi")["kl"].sum(), [yr])
@@ -340,7 +328,6 @@ def test_no_grad_and_ref_only_gradient():
     [
         ({"logits_ref": torch.zeros(3, 6)}, ValueError, r"\(3, 5\).*\(3, 6\)"),
         ({"logits": torch.zeros(3, 5, dtype=torch.int64)}, TypeError, "logits"),
-        ({"logits": torch.zeros(0, 5), "logits_ref": torch.zeros(0, 5)}, ValueError, "empty"),
         ({"direction": "forward"}, ValueError, "direction"),
         ({"reduction": "mean"}, ValueError, "reduction"),
         ({"backend": "cuda"}, ValueError, "backend"),
@@ -351,6 +338,8 @@ def test_no_grad_and_ref_only_gradient():
         ({"labels": torch.tensor([0.0, 1.0, 1.0])}, TypeError, "labels"),
         ({"labels": torch.tensor([0, 1])}, ValueError, "labels"),
         ({"mask": torch.ones(4, dtype=torch.bool)}, ValueError, "mask"),
+        ({"mask": torch.tensor([0, 2, 1])}, ValueError, "only 0 and 1"),
+        ({"ignore_index": 1.5}, TypeError, "ignore_index"),
     ],
 )
 def test_bad_input(kwargs, error, match):
@@ -391,22 +380,81 @@ def test_triton_backend_equals_torch_backend(direction):
     g = [_logits((6,), torch.float32, s, scale=1.0).to(dev) for s in range(30, 34)]
     grads = {}
     for backend in ("torch", "triton"):
-        out = kl_from_logits(
+        kl, d = kl_from_logits(
             z,
             y,
             direction=direction,
+            reduction="none",
             labels=labels,
             mask=mask,
-            return_entropy=True,
             temperature=0.9,
             backend=backend,
+            return_details=True,
         )
+        out = (kl, d.logp, d.logp_ref, d.entropy)
         loss = sum((t * w).sum() for t, w in zip(out, g, strict=True))
         grads[backend] = (out, torch.autograd.grad(loss, [z, y]))
     (o1, (dz1, dy1)), (o2, (dz2, dy2)) = grads["torch"], grads["triton"]
     for a, b in zip(o1, o2, strict=True):
-        assert_close(b, a, atol=2e-5, rtol=2e-5, what="outputs")
+        assert_verbose_close(b, a, atol=2e-5, rtol=2e-5, what="outputs")
     # Both are float32 computations: twice the single-path bound.
     scale = 2 * arithmetic_scale(z, y, 0.9, sum(w.abs() for w in g))
     grad_close(dz2, dz1.double(), torch.float32, scale=scale.to(dz1.device), ulps=2, what="dz")
     grad_close(dy2, dy1.double(), torch.float32, scale=scale.to(dz1.device), ulps=2, what="dy")
+
+
+# -- trainer batches -----------------------------------------------------------------------------
+
+
+def test_rows_with_no_valid_position_contribute_nothing():
+    """An all-padding row, and a row whose labels are all ignore_index, count in no mean."""
+    z = _logits((4, 3, 9), torch.float32, 40).requires_grad_()
+    y = _logits((4, 3, 9), torch.float32, 41)
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    mask[1] = False
+    labels = torch.randint(0, 9, (4, 3), generator=torch.Generator().manual_seed(42))
+    labels[2] = -100
+    per_token = reference(z.detach(), y)["kl"]
+    kept = torch.tensor([0, 3])
+    want = {
+        "seq-mean-token-sum": per_token[kept].sum(-1).mean(),
+        "token-mean": per_token[kept].mean(),
+        "seq-mean-token-mean": per_token[kept].mean(-1).mean(),
+        "sum": per_token[kept].sum(),
+    }
+    for reduction, expected in want.items():
+        got, details = kl_from_logits(
+            z, y, mask=mask, labels=labels, reduction=reduction, return_details=True
+        )
+        assert_verbose_close(got, expected, atol=2e-5, rtol=2e-5, what=reduction)
+        assert details.diagnostics.n_empty_rows == 2
+        if reduction != "sum":  # a mean reduction: the diagnostics' mean is the value
+            assert abs(details.diagnostics.mean - float(got)) <= 1e-6 * abs(float(got))
+    per_seq = kl_from_logits(z, y, mask=mask, labels=labels, reduction="per-sequence")
+    assert per_seq.shape == (4,) and float(per_seq[1]) == 0.0 and float(per_seq[2]) == 0.0
+
+
+@pytest.mark.parametrize("stash", [True, False])
+def test_a_batch_with_no_valid_position_gives_zero_and_a_zero_gradient(stash):
+    z = _logits((2, 3, 7), torch.float32, 43)
+    z[0, 0] = float("nan")  # garbage under the mask is never read
+    z.requires_grad_()
+    y = _logits((2, 3, 7), torch.float32, 44)
+    for reduction in ("seq-mean-token-sum", "token-mean", "seq-mean-token-mean", "sum"):
+        kl = kl_from_logits(
+            z, y, mask=torch.zeros(2, 3, dtype=torch.bool), reduction=reduction, stash=stash
+        )
+        (dz,) = torch.autograd.grad(kl, [z])
+        assert float(kl) == 0.0 and float(dz.abs().max()) == 0.0
+    empty = torch.zeros(0, 3, 7, requires_grad=True)
+    kl = kl_from_logits(empty, torch.zeros(0, 3, 7))
+    (dz,) = torch.autograd.grad(kl, [empty])
+    assert float(kl) == 0.0 and dz.shape == (0, 3, 7)
+
+
+def test_labels_alone_never_change_the_return_type():
+    z, y = _logits((2, 4, 6), torch.float32, 45), _logits((2, 4, 6), torch.float32, 46)
+    labels = torch.tensor([[1, 2, -100, 0], [5, 5, 5, -100]])
+    out = kl_from_logits(z, y, labels=labels, reduction="none")
+    assert isinstance(out, torch.Tensor) and out.shape == (2, 4)
+    assert float(out[0, 2]) == 0.0 and float(out[1, 3]) == 0.0

@@ -235,7 +235,7 @@ def test_forward_agrees_with_categorical_kl():
     z, y = logits(3, 150, torch.float32, seed=3)
     stats = kl_logits_forward(*to_dev(z, y), block_v=64)
     for got, direction in ((stats.kl_pi_ref, "pi||ref"), (stats.kl_ref_pi, "ref||pi")):
-        want = klest.categorical_kl(z.double(), y.double(), direction=direction)
+        want = klest.categorical_kl(z.double(), y.double(), direction=direction, reduction="none")
         assert_close(got, want, atol=FWD_ATOL, rtol=FWD_RTOL, what=direction)
 
 
@@ -640,9 +640,9 @@ def test_bad_inputs():
     z = torch.zeros(2, 5)
     with pytest.raises(ValueError, match=r"z has shape \(2, 5\) but y has shape \(2, 4\)"):
         kl_logits_forward(z, torch.zeros(2, 4))
-    with pytest.raises(ValueError, match=r"z must be 2-D \[N, V\], got shape \(5,\)"):
+    with pytest.raises(ValueError, match=r"z must be \[N, V\] with V >= 1, got shape \(5,\)"):
         kl_logits_forward(torch.zeros(5), torch.zeros(5))
-    with pytest.raises(ValueError, match="empty vocabulary"):
+    with pytest.raises(ValueError, match=r"V >= 1"):
         kl_logits_forward(torch.zeros(2, 0), torch.zeros(2, 0))
     with pytest.raises(TypeError, match="y must be float32, bfloat16 or float16"):
         kl_logits_forward(z, z.double())

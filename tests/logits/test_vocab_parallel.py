@@ -41,12 +41,19 @@ def _run_all(z, y, labels, mask, kl_fn):
     results = []
     for direction in ("pi||ref", "ref||pi"):
         zz, yy = z.clone().requires_grad_(), y.clone().requires_grad_()
-        out = kl_fn(zz, yy, direction=direction, labels=labels, mask=mask, return_entropy=True)
-        w = torch.arange(1.0, 7.0, dtype=out.kl.dtype, device=out.kl.device).reshape(N_LEAD)
-        loss = (
-            (out.kl * w).sum() + 0.3 * out.logp.sum() - 0.5 * out.logp_ref.sum() + out.entropy.sum()
+        kl, d = kl_fn(
+            zz,
+            yy,
+            direction=direction,
+            labels=labels,
+            mask=mask,
+            reduction="none",
+            return_details=True,
         )
-        results.append([t.detach() for t in out] + list(torch.autograd.grad(loss, [zz, yy])))
+        w = torch.arange(1.0, 7.0, dtype=kl.dtype, device=kl.device).reshape(N_LEAD)
+        loss = (kl * w).sum() + 0.3 * d.logp.sum() - 0.5 * d.logp_ref.sum() + d.entropy.sum()
+        outputs = (kl, d.logp, d.logp_ref, d.entropy)
+        results.append([t.detach() for t in outputs] + list(torch.autograd.grad(loss, [zz, yy])))
         zz = z.clone().requires_grad_()
         kl = kl_fn(zz, y, direction=direction, reduction="seq-mean-token-sum", temperature=0.7)
         results.append([kl.detach(), *torch.autograd.grad(kl, [zz])])

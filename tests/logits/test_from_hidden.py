@@ -21,14 +21,22 @@ def _t(shape, seed, dtype=torch.float64):
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
 
 
-def _loss(out, n_weights):
+def _outputs(out):
+    """The tensors a call returned: the KL, then (with details) log-probs and entropy."""
     if isinstance(out, torch.Tensor):
-        return (out * n_weights).sum()
-    total = (out.kl * n_weights).sum()
-    if out.logp is not None:
-        total = total + 0.3 * out.logp.sum() - 0.7 * out.logp_ref.sum()
-    if out.entropy is not None:
-        total = total + 1.3 * out.entropy.sum()
+        return [out]
+    kl, d = out
+    return [kl, d.logp, d.logp_ref, d.entropy]
+
+
+def _loss(out, n_weights):
+    kl, *rest = _outputs(out)
+    total = (kl * n_weights).sum()
+    if rest:
+        logp, logp_ref, entropy = rest
+        if logp is not None:
+            total = total + 0.3 * logp.sum() - 0.7 * logp_ref.sum()
+        total = total + 1.3 * entropy.sum()
     return total
 
 
@@ -55,7 +63,8 @@ def test_equals_logits_path(direction, ref_kind, masked, with_labels):
         "direction": direction,
         "mask": mask,
         "labels": labels if with_labels else None,
-        "return_entropy": with_labels,
+        "return_details": with_labels,
+        "reduction": "none",
         "temperature": 0.8,
     }
     if ref_kind == "hidden":
@@ -68,11 +77,7 @@ def test_equals_logits_path(direction, ref_kind, masked, with_labels):
     weights = _t(n_lead, 9)
     got = torch.autograd.grad(_loss(fused, weights), params)
     want = torch.autograd.grad(_loss(plain, weights), params)
-    for a, c in zip(
-        fused if isinstance(fused, tuple) else [fused],
-        plain if isinstance(plain, tuple) else [plain],
-        strict=True,
-    ):
+    for a, c in zip(_outputs(fused), _outputs(plain), strict=True):
         if a is not None:
             torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
     for name, a, c in zip(["h", "w", "b", "ref1", "ref2"], got, want, strict=False):
@@ -98,7 +103,9 @@ def test_float32_and_reduction_and_gradcheck():
     hr = _t((3, 2), 15).requires_grad_()
     wr = _t((9, 2), 16).requires_grad_()
     assert torch.autograd.gradcheck(
-        lambda h, w, hr, wr: klest.kl_from_hidden(h, w, hr, wr, direction="ref||pi", chunk_size=2),
+        lambda h, w, hr, wr: klest.kl_from_hidden(
+            h, w, hr, wr, direction="ref||pi", reduction="none", chunk_size=2
+        ),
         (h64, w64, hr, wr),
     )
 
@@ -166,9 +173,33 @@ def test_triton_backend_equals_torch_backend():
     got = {}
     for backend in ("torch", "triton"):
         out = klest.kl_from_hidden(
-            h, w, logits_ref=y, labels=labels, return_entropy=True, backend=backend, chunk_size=4
+            h,
+            w,
+            logits_ref=y,
+            labels=labels,
+            reduction="none",
+            backend=backend,
+            chunk_size=4,
+            return_details=True,
         )
-        got[backend] = [*out, *torch.autograd.grad(_loss(out, torch.ones(6, device=dev)), [h, w])]
+        grads = torch.autograd.grad(_loss(out, torch.ones(6, device=dev)), [h, w])
+        got[backend] = [*_outputs(out), *grads]
     for a, b in zip(got["torch"], got["triton"], strict=True):
         scale = max(1.0, float(a.abs().max()))
         torch.testing.assert_close(b, a, atol=2e-5 * scale, rtol=0)
+
+
+def test_empty_rows_and_an_empty_batch():
+    h = _t((3, 4, 5), 24, torch.float32).requires_grad_()
+    w = _t((13, 5), 25, torch.float32).requires_grad_()
+    y = _t((3, 4, 13), 26, torch.float32)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[1] = False
+    fused = klest.kl_from_hidden(h, w, logits_ref=y, mask=mask)
+    plain = klest.kl_from_logits(h @ w.T, y, mask=mask)
+    torch.testing.assert_close(fused, plain, atol=2e-5, rtol=2e-5)
+    none = klest.kl_from_hidden(h, w, logits_ref=y, mask=torch.zeros(3, 4, dtype=torch.bool))
+    dh, dw = torch.autograd.grad(none, [h, w])
+    assert float(none) == 0.0 and float(dh.abs().max()) == 0.0 and float(dw.abs().max()) == 0.0
+    empty = klest.kl_from_hidden(h[:0], w, logits_ref=y[:0])
+    assert float(empty) == 0.0
