@@ -90,3 +90,8 @@ def assert_verbose_close(got, want, *, atol, rtol=0.0, what=""):
             f"got {float(g[i]):.9g}, want {float(w[i]):.9g}, |diff| {float(err[i]):.3g} > "
             f"{float(bound[i]):.3g}"
         )
+
+
+def random_log_probs(shape, generator, *, dtype=torch.float64, scale=1.0):
+    """Valid log-probabilities (<= 0) of a random size: ``-scale * |N(0, 1)|``."""
+    return (-scale * torch.randn(shape, generator=generator, dtype=torch.float64).abs()).to(dtype)

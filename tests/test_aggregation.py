@@ -1,4 +1,8 @@
-"""Masks, reductions and levels against a slow, obviously correct Python reference."""
+"""Masks, reductions and levels against a slow, obviously correct Python reference.
+
+The rule under test: a row with no valid token contributes nothing, means count only valid
+tokens / non-empty rows, and an all-empty batch gives 0 with a zero gradient.
+"""
 
 from __future__ import annotations
 
@@ -7,61 +11,76 @@ import torch
 
 import klest
 from klest.testbeds import make_generator
+from tests._reference import random_log_probs
 
-REDUCTIONS = ["none", "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "sum"]
+REDUCTIONS = [
+    "none",
+    "per-sequence",
+    "token-mean",
+    "seq-mean-token-sum",
+    "seq-mean-token-mean",
+    "sum",
+]
 
 
 def slow_reduce(values, mask, reduction):
-    """Loop over rows and tokens in plain Python floats."""
+    """Loop over rows and tokens in plain Python floats; empty rows are skipped by the means."""
     rows_v = values.reshape(-1, 1) if values.ndim == 1 else values.reshape(-1, values.shape[-1])
     rows_m = mask.reshape(rows_v.shape)
     per_row_sum, per_row_mean, total, count = [], [], 0.0, 0
     for vr, mr in zip(rows_v.tolist(), rows_m.tolist(), strict=True):
         kept = [v for v, m in zip(vr, mr, strict=True) if m]
-        per_row_sum.append(sum(kept))
-        per_row_mean.append(sum(kept) / len(kept))
         total += sum(kept)
         count += len(kept)
+        if kept:
+            per_row_sum.append(sum(kept))
+            per_row_mean.append(sum(kept) / len(kept))
     if reduction == "sum":
         return total
     if reduction == "token-mean":
-        return total / count
-    if reduction == "seq-mean-token-sum":
-        return sum(per_row_sum) / len(per_row_sum)
-    return sum(per_row_mean) / len(per_row_mean)
+        return total / count if count else 0.0
+    means = per_row_sum if reduction == "seq-mean-token-sum" else per_row_mean
+    return sum(means) / len(means) if means else 0.0
 
 
 def random_case(shape, seed):
     g = make_generator(seed)
     values = torch.randn(shape, generator=g, dtype=torch.float64)
     mask = torch.rand(shape, generator=g) > 0.4
-    if len(shape) >= 2:
-        mask[..., 0] = True  # every row keeps a token
-    else:
-        mask[0] = True
     return values, mask
 
 
-@pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 2, 6), (1, 9), (5, 1)])
+@pytest.mark.parametrize("shape", [(7,), (4, 5), (3, 2, 6), (1, 9), (5, 1), (6, 2)])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_aggregate_matches_slow_reference(shape, reduction):
     values, mask = random_case(shape, seed=sum(shape))
-    if len(shape) == 1:
-        mask = torch.ones(shape, dtype=torch.bool)  # 1-D: independent samples, no empty rows
+    if len(shape) >= 2:
+        mask[0] = False  # an empty row, as a trainer's padding or truncation makes
     out = klest.aggregate(values, mask=mask, reduction=reduction)
+    masked = torch.where(mask, values, 0.0)
     if reduction == "none":
-        assert torch.equal(out, torch.where(mask, values, 0.0))
+        assert torch.equal(out, masked)
+    elif reduction == "per-sequence":
+        assert torch.equal(out, masked.sum(-1) if len(shape) >= 2 else masked)
     else:
         assert float(out) == pytest.approx(slow_reduce(values, mask, reduction), rel=1e-12)
+
+
+@pytest.mark.parametrize("reduction", REDUCTIONS[2:])
+def test_an_all_empty_batch_gives_zero_with_a_zero_gradient(reduction):
+    values = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    out = klest.aggregate(values, mask=torch.zeros(3, 4, dtype=torch.bool), reduction=reduction)
+    (grad,) = torch.autograd.grad(out, [values])
+    assert float(out) == 0.0 and float(grad.abs().max()) == 0.0
 
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_estimator_reduction_equals_aggregate_of_per_token_values(reduction):
     g = make_generator(1)
-    logp, logp_ref = torch.randn(4, 6, generator=g), torch.randn(4, 6, generator=g)
+    logp, logp_ref = random_log_probs((4, 6), g), random_log_probs((4, 6), g)
     mask = torch.rand(4, 6, generator=g) > 0.5
-    mask[:, 0] = True
-    per_token = klest.k3(logp, logp_ref, mask=mask)
+    mask[1] = False
+    per_token = klest.k3(logp, logp_ref, mask=mask, reduction="none")
     out = klest.k3(logp, logp_ref, mask=mask, reduction=reduction)
     assert torch.allclose(out, klest.aggregate(per_token, mask=mask, reduction=reduction))
 
@@ -100,16 +119,25 @@ def test_float_and_int_masks_equal_bool_masks():
 
 def test_sequence_level_applies_the_estimator_to_the_summed_log_ratio():
     g = make_generator(3)
-    logp, logp_ref = (
-        torch.randn(5, 4, generator=g, dtype=torch.float64),
-        torch.randn(5, 4, generator=g, dtype=torch.float64),
-    )
+    logp, logp_ref = random_log_probs((5, 4), g), random_log_probs((5, 4), g)
     mask = torch.rand(5, 4, generator=g) > 0.3
     mask[:, 0] = True
     seq_delta = ((logp - logp_ref) * mask).sum(-1)
     for direction in ("pi||ref", "ref||pi"):
-        out = klest.k3(logp, logp_ref, mask=mask, level="sequence", direction=direction)
-        expected = klest.k3(seq_delta, torch.zeros_like(seq_delta), direction=direction)
+        out = klest.k3(
+            logp,
+            logp_ref,
+            mask=mask,
+            level="sequence",
+            direction=direction,
+            reduction="per-sequence",
+        )
+        expected = klest.k3(
+            seq_delta.clamp(max=0),
+            (-seq_delta).clamp(max=0),
+            direction=direction,
+            reduction="none",
+        )
         assert out.shape == (5,)
         assert torch.allclose(out, expected, rtol=1e-12)
         mean = klest.k3(
@@ -133,10 +161,7 @@ def test_one_dimensional_input_is_independent_samples():
 def test_per_row_fitted_alpha_with_mask_matches_masked_out_rows_dropped():
     """Masked tokens must not enter the alpha fit: padding a row changes nothing."""
     g = make_generator(4)
-    logp, logp_ref = (
-        torch.randn(6, 3, generator=g, dtype=torch.float64),
-        torch.randn(6, 3, generator=g, dtype=torch.float64),
-    )
+    logp, logp_ref = random_log_probs((6, 3), g), random_log_probs((6, 3), g)
     pad_p = torch.cat([logp, torch.randn(6, 2, generator=g, dtype=torch.float64)], 1)
     pad_r = torch.cat([logp_ref, torch.randn(6, 2, generator=g, dtype=torch.float64)], 1)
     mask = torch.cat([torch.ones(6, 3), torch.zeros(6, 2)], 1).bool()

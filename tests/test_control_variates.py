@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from klest.aggregation import group_keys
 from klest.control_variates import AlphaEMA, fit_alpha
 from klest.testbeds import make_generator
 
@@ -54,12 +55,12 @@ def test_crossfit_uses_the_other_fold_and_in_sample_uses_all():
 def test_groups_fit_separately():
     a, b, valid = case(8, 2, seed=3)
     group = torch.tensor([5, 5, 9, 9, 5, 9, 5, 9])
-    got = fit_alpha(a, b, valid, "loo", group=group)
+    got = fit_alpha(a, b, valid, "loo", keys=group_keys(group))
     for g_id in (5, 9):
         rows = (group == g_id).nonzero().squeeze(1)
         alone = fit_alpha(a[rows], b[rows], valid[rows], "loo")
         assert torch.allclose(got[rows], alone, rtol=1e-12)
-    cross = fit_alpha(a, b, valid, "crossfit", group=group)
+    cross = fit_alpha(a, b, valid, "crossfit", keys=group_keys(group))
     for g_id in (5, 9):
         rows = (group == g_id).nonzero().squeeze(1)
         assert torch.allclose(
@@ -75,10 +76,13 @@ def test_constant_control_variate_gives_alpha_zero_not_rounding_noise():
     assert float(got[3]) == 0.0  # the other three rows have equal b: no variance to fit
 
 
-def test_loo_needs_two_rows_per_group():
-    a, b, valid = case(3, 2, seed=4)
-    with pytest.raises(ValueError, match="at least 2 rows per group"):
-        fit_alpha(a, b, valid, "loo", group=torch.tensor([0, 0, 1]))
+def test_a_group_of_one_row_gets_alpha_zero():
+    """No other row to fit on: k1 itself (alpha 0), which keeps the estimate unbiased."""
+    a, b, valid = case(5, 2, seed=4)
+    keys = group_keys(torch.tensor([0, 0, 1, 0, 2]))
+    for method in ("loo", "crossfit"):
+        got = fit_alpha(a, b, valid, method, keys=keys)
+        assert float(got[2]) == 0.0 and float(got[4]) == 0.0
     with pytest.raises(ValueError, match="unknown alpha"):
         fit_alpha(a, b, valid, "best")
 
@@ -89,20 +93,50 @@ def test_fitted_alpha_is_detached():
     assert not fit_alpha(a, b, valid, "loo").requires_grad
 
 
+def brute_ema_alpha(batches, decay, init):
+    """The coefficient fitted on the decayed, bias-corrected moments of ``batches``."""
+    if not batches:
+        return init
+    moments, weight = np.zeros(4), 0.0
+    for a, b, valid in batches:
+        x, y = a[valid].numpy(), b[valid].numpy()
+        batch = np.array([x.mean(), y.mean(), (x * y).mean(), (y * y).mean()])
+        moments = decay * moments + (1 - decay) * batch
+        weight = decay * weight + (1 - decay)
+    ea, eb, eab, ebb = moments / weight
+    return -(eab - ea * eb) / (ebb - eb * eb)
+
+
 def test_ema_uses_only_past_batches_and_matches_a_brute_force_average():
     ema = AlphaEMA(decay=0.5, init=0.7)
-    assert ema.alpha == 0.7
-    batches = [case(4, 3, seed=s) for s in range(3)]
-    moments = np.zeros(4)
-    weight = 0.0
-    for a, b, valid in batches:
-        ema.update(a, b, valid)
-        x, y = a[valid].numpy(), b[valid].numpy()
-        moments = 0.5 * moments + 0.5 * np.array(
-            [x.mean(), y.mean(), (x * y).mean(), (y * y).mean()]
+    assert float(ema.alpha) == 0.7
+    batches = [case(4, 3, seed=s) for s in range(4)]
+    for k, (a, b, valid) in enumerate(batches):
+        used = ema(a, b, valid)  # fitted on the batches before this one
+        assert float(used) == pytest.approx(brute_ema_alpha(batches[:k], 0.5, 0.7), rel=1e-10)
+        assert float(ema.alpha) == pytest.approx(
+            brute_ema_alpha(batches[: k + 1], 0.5, 0.7), rel=1e-10
         )
-        weight = 0.5 * weight + 0.5
-        ea, eb, eab, ebb = moments / weight
-        assert ema.alpha == pytest.approx(-(eab - ea * eb) / (ebb - eb * eb), rel=1e-10)
     with pytest.raises(ValueError, match="decay"):
         AlphaEMA(decay=1.0)
+
+
+def test_ema_state_lives_in_buffers_and_survives_a_checkpoint():
+    ema = AlphaEMA(decay=0.8)
+    for s in range(3):
+        ema(*case(5, 2, seed=10 + s))
+    restored = AlphaEMA(decay=0.8)
+    restored.load_state_dict(ema.state_dict())
+    assert float(restored.alpha) == float(ema.alpha) != 1.0
+    a, b, valid = case(5, 2, seed=20)
+    assert float(restored(a, b, valid)) == float(ema(a, b, valid))
+
+
+def test_an_all_invalid_batch_leaves_the_ema_unchanged():
+    ema = AlphaEMA(decay=0.5)
+    ema(*case(4, 3, seed=1))
+    before = {k: v.clone() for k, v in ema.state_dict().items()}  # state_dict shares storage
+    a, b, valid = case(4, 3, seed=2)
+    ema(a, b, torch.zeros_like(valid))
+    after = ema.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)

@@ -23,7 +23,8 @@ from klest.testbeds import (
     TabularAutoregressive,
     make_generator,
 )
-from tests.conftest import Z, assert_mean_close
+from tests._reference import random_log_probs
+from tests._stats import Z, assert_mean_close
 
 DIRECTIONS = ("pi||ref", "ref||pi")
 UNBIASED = ("k1", "k3", "cv:0.5", "cv:-0.7")
@@ -160,11 +161,13 @@ def test_fitted_alpha_reaches_the_optimal_control_variate_variance():
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_cv_alpha_one_is_k3_and_alpha_zero_is_k1(direction):
     g = make_generator(0)
-    logp, logp_ref = torch.randn(50, generator=g), torch.randn(50, generator=g)
-    cv1 = klest.cv(logp, logp_ref, alpha=1.0, direction=direction)
-    assert torch.equal(cv1, klest.k3(logp, logp_ref, direction=direction))
-    cv0 = klest.cv(logp, logp_ref, alpha=0.0, direction=direction)
-    assert torch.allclose(cv0, klest.k1(logp, logp_ref, direction=direction), rtol=1e-6)
+    logp = random_log_probs(50, g, dtype=torch.float32)
+    logp_ref = random_log_probs(50, g, dtype=torch.float32)
+    cv1 = klest.cv(logp, logp_ref, alpha=1.0, direction=direction, reduction="none")
+    assert torch.equal(cv1, klest.k3(logp, logp_ref, direction=direction, reduction="none"))
+    cv0 = klest.cv(logp, logp_ref, alpha=0.0, direction=direction, reduction="none")
+    k1 = klest.k1(logp, logp_ref, direction=direction, reduction="none")
+    assert torch.allclose(cv0, k1, rtol=1e-6)
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
@@ -182,6 +185,7 @@ def test_off_policy_importance_weights_are_unbiased(estimator, direction):
         estimator=estimator,
         direction=direction,
         logp_behavior=log_mu[idx],
+        reduction="none",
     )
     assert_mean_close(
         values, float(pi.exact_kl(direction).detach()), what=f"{estimator} off-policy"
@@ -195,7 +199,12 @@ def test_off_policy_sequence_level_weights_are_the_sequence_ratio():
     log_pi = pi._next_logprobs(pi.logits.detach(), s.x).gather(-1, s.x.unsqueeze(-1)).squeeze(-1)
     for direction in DIRECTIONS:
         values = klest.k1(
-            log_pi, s.logp_ref, logp_behavior=s.logp.detach(), direction=direction, level="sequence"
+            log_pi,
+            s.logp_ref,
+            logp_behavior=s.logp.detach(),
+            direction=direction,
+            level="sequence",
+            reduction="per-sequence",
         )
         assert_mean_close(values, float(pi.exact_kl(direction).detach()), what=direction)
 
@@ -204,7 +213,7 @@ def test_off_policy_gradient_flows_through_the_weight():
     logp = torch.tensor([-1.0, -2.0], dtype=torch.float64, requires_grad=True)
     logp_ref = torch.tensor([-1.5, -1.0], dtype=torch.float64)
     logp_mu = torch.tensor([-1.2, -1.1], dtype=torch.float64)
-    klest.k1(logp, logp_ref, logp_behavior=logp_mu).sum().backward()
+    klest.k1(logp, logp_ref, logp_behavior=logp_mu, reduction="sum").backward()
     w = torch.exp(logp.detach() - logp_mu)
     delta = logp.detach() - logp_ref
     assert torch.allclose(logp.grad, w * delta + w)  # d/dlogp [w delta] = w delta + w
@@ -212,25 +221,29 @@ def test_off_policy_gradient_flows_through_the_weight():
 
 def test_off_policy_sample_pi_cannot_produce_contributes_zero():
     logp = torch.tensor([float("-inf"), -1.0])
-    out = klest.k3(logp, torch.tensor([-1.0, -2.0]), logp_behavior=torch.tensor([-0.5, -0.5]))
+    out = klest.k3(
+        logp,
+        torch.tensor([-1.0, -2.0]),
+        logp_behavior=torch.tensor([-0.5, -0.5]),
+        reduction="none",
+    )
     assert float(out[0]) == 0.0 and math.isfinite(float(out[1]))
 
 
 def test_f_divergence_recovers_both_kls_and_chi_squared():
     g = make_generator(1)
-    logp, logp_ref = (
-        torch.randn(40, generator=g, dtype=torch.float64),
-        torch.randn(40, generator=g, dtype=torch.float64),
-    )
-    fwd = klest.f_divergence(logp, logp_ref, f=lambda r: -torch.log(r))
-    assert torch.allclose(fwd, klest.k3(logp, logp_ref), rtol=1e-9, atol=1e-12)
-    rev = klest.f_divergence(logp, logp_ref, f=lambda r: r * torch.log(r))
-    assert torch.allclose(rev, klest.k3(logp, logp_ref, direction="ref||pi"), rtol=1e-9, atol=1e-12)
+    logp, logp_ref = random_log_probs(40, g), random_log_probs(40, g)
+    fwd = klest.f_divergence(logp, logp_ref, f=lambda r: -torch.log(r), reduction="none")
+    k3 = klest.k3(logp, logp_ref, reduction="none")
+    assert torch.allclose(fwd, k3, rtol=1e-9, atol=1e-12)
+    rev = klest.f_divergence(logp, logp_ref, f=lambda r: r * torch.log(r), reduction="none")
+    k3_rev = klest.k3(logp, logp_ref, direction="ref||pi", reduction="none")
+    assert torch.allclose(rev, k3_rev, rtol=1e-9, atol=1e-12)
     # Chi-squared divergence chi2(ref||pi) = sum ref^2 / pi - 1, by Monte Carlo on a categorical.
     tb = CategoricalTestbed.random(5, seed=2, scale=0.5)
     s = tb.sample(200_000, generator=make_generator(3))
     values = klest.f_divergence(
-        s.logp.detach(), s.logp_ref, f=lambda r: (r - 1) ** 2, f_prime_at_1=0.0
+        s.logp.detach(), s.logp_ref, f=lambda r: (r - 1) ** 2, f_prime_at_1=0.0, reduction="none"
     )
     q, p = torch.softmax(tb.logits.detach(), -1), torch.softmax(tb.logits_ref, -1)
     assert_mean_close(values, float((p * p / q).sum() - 1), what="chi2")
@@ -239,28 +252,35 @@ def test_f_divergence_recovers_both_kls_and_chi_squared():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_half_precision_inputs_are_computed_in_float32(dtype):
     g = make_generator(4)
-    logp = (torch.randn(64, generator=g) * 0.01).to(dtype)
-    logp_ref = (torch.randn(64, generator=g) * 0.01).to(dtype)
-    out = klest.k3(logp, logp_ref)
+    logp = random_log_probs(64, g, scale=0.01, dtype=dtype)
+    logp_ref = random_log_probs(64, g, scale=0.01, dtype=dtype)
+    out = klest.k3(logp, logp_ref, reduction="none")
     assert out.dtype == torch.float32
-    assert torch.equal(out, klest.k3(logp.float(), logp_ref.float()))
+    assert torch.equal(out, klest.k3(logp.float(), logp_ref.float(), reduction="none"))
 
 
 def test_diagnostics():
     g = make_generator(5)
-    logp, logp_ref = torch.randn(8, 10, generator=g), torch.randn(8, 10, generator=g)
+    logp = random_log_probs((8, 10), g, dtype=torch.float32)
+    logp_ref = random_log_probs((8, 10), g, dtype=torch.float32)
     mask = torch.rand(8, 10, generator=g) > 0.3
     mask[:, 0] = True
-    value, diag = klest.k1(
-        logp, logp_ref, mask=mask, reduction="seq-mean-token-sum", return_diagnostics=True
+    mask[3] = False  # an empty row: not a unit
+    value, details = klest.k1(
+        logp, logp_ref, mask=mask, reduction="seq-mean-token-sum", return_details=True
     )
-    per_row = ((logp - logp_ref) * mask).sum(-1)
-    assert diag.n_units == 8
+    diag = details.diagnostics
+    per_row = ((logp - logp_ref) * mask).sum(-1)[mask.any(-1)]
+    assert diag.n_units == 7 and diag.n_empty_rows == 1
     assert diag.mean == pytest.approx(float(value), rel=1e-6)
-    assert diag.stderr == pytest.approx(float(per_row.double().std() / math.sqrt(8)), rel=1e-6)
+    assert diag.stderr == pytest.approx(float(per_row.double().std() / math.sqrt(7)), rel=1e-6)
     negative = float(((logp - logp_ref) < 0)[mask].double().mean())
     assert diag.frac_negative == pytest.approx(negative)
-    _, diag3 = klest.k3(logp, logp_ref, mask=mask, reduction="token-mean", return_diagnostics=True)
+    value3, details3 = klest.k3(
+        logp, logp_ref, mask=mask, reduction="token-mean", return_details=True
+    )
+    diag3 = details3.diagnostics
     assert diag3.frac_negative == 0.0 and diag3.n_units == int(mask.sum())
-    _, diag_cv = klest.cv(logp, logp_ref, alpha="loo", return_diagnostics=True)
-    assert diag_cv.alpha is not None
+    assert diag3.mean == pytest.approx(float(value3), rel=1e-6)
+    _, details_cv = klest.cv(logp, logp_ref, alpha="loo", return_details=True)
+    assert details_cv.diagnostics.alpha is not None

@@ -26,7 +26,7 @@ from klest.testbeds import (
     TabularAutoregressive,
     make_generator,
 )
-from tests.conftest import Z
+from tests._stats import Z
 
 BOTH = ("pi||ref", "ref||pi")
 
@@ -130,7 +130,7 @@ def test_token_level_equals_autodiff_of_k2_exactly():
         warnings.simplefilter("ignore", KLGradientWarning)
         token = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, grad="token")
         (g_token,) = torch.autograd.grad(token, testbed.parameters(), retain_graph=True)
-        k2 = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, value="k2", grad="autodiff")
+        k2 = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, estimator="k2", grad="autodiff")
         (g_k2,) = torch.autograd.grad(k2, testbed.parameters())
     assert torch.allclose(g_token, g_k2, rtol=1e-12, atol=1e-15)
 
@@ -301,7 +301,7 @@ def test_forward_value_is_the_value_estimator(value, reduction):
     testbed = make("tabular")
     s = testbed.sample(6, generator=make_generator(3))
     loss = klest.kl_penalty(
-        s.logp, s.logp_ref, mask=s.mask, value=value, grad="cumulative", reduction=reduction
+        s.logp, s.logp_ref, mask=s.mask, estimator=value, grad="cumulative", reduction=reduction
     )
     expected = klest.kl_estimate(
         s.logp, s.logp_ref, estimator=value, mask=s.mask, reduction=reduction
@@ -334,7 +334,7 @@ def test_score_type_gradient_does_not_depend_on_the_value_estimator(grad, direct
                 s.logp,
                 s.logp_ref,
                 mask=s.mask,
-                value=value,
+                estimator=value,
                 alpha=alpha,
                 grad=grad,
                 direction=direction,
@@ -362,10 +362,11 @@ def test_forward_value_is_kl_estimate_for_every_value_level_and_direction(
     common = {"mask": s.mask, "direction": direction, "alpha": alpha, "level": level}
     common["logp_behavior"] = s.logp_behavior
     loss, details = klest.kl_penalty(
-        s.logp, s.logp_ref, value=value, grad="cumulative", return_details=True, **common
+        s.logp, s.logp_ref, estimator=value, grad="cumulative", return_details=True, **common
     )
-    per = klest.kl_estimate(s.logp, s.logp_ref, estimator=value, reduction="none", **common)
-    per_sequence = per.sum(-1) if level == "token" else per
+    per_sequence = klest.kl_estimate(
+        s.logp, s.logp_ref, estimator=value, reduction="per-sequence", **common
+    )
     torch.testing.assert_close(details.per_sequence, per_sequence.detach(), rtol=1e-12, atol=0)
     expected = klest.kl_estimate(
         s.logp, s.logp_ref, estimator=value, reduction="seq-mean-token-sum", **common
@@ -381,7 +382,7 @@ def test_rb_value_for_ref_pi_weights_each_position_by_the_prefix_ratio():
         s.logp,
         s.logp_ref,
         mask=s.mask,
-        value="rb",
+        estimator="rb",
         grad="rb",
         direction="ref||pi",
         logits=s.logits,
@@ -404,13 +405,13 @@ def test_rb_value_is_the_sum_of_exact_position_kls():
         s.logp,
         s.logp_ref,
         mask=s.mask,
-        value="rb",
+        estimator="rb",
         grad="rb",
         logits=s.logits,
         logits_ref=s.logits_ref,
         return_details=True,
     )
-    per_position = klest.categorical_kl(s.logits, s.logits_ref, mask=s.mask)
+    per_position = klest.categorical_kl(s.logits, s.logits_ref, mask=s.mask, reduction="none")
     assert torch.allclose(details.per_sequence, per_position.sum(-1))
     assert torch.allclose(loss, per_position.sum(-1).mean())
     assert details.diagnostics.frac_negative == 0.0
@@ -451,12 +452,33 @@ def test_padding_is_excluded_from_value_and_gradient(grad):
     assert torch.allclose(base_grad, padded_grad, rtol=1e-12, atol=1e-15)
 
 
-def test_reduction_none_gives_one_loss_per_sequence():
+@pytest.mark.parametrize("grad", ["score", "cumulative", "rb", "token", "autodiff"])
+def test_per_token_and_per_sequence_losses_sum_to_the_batch_loss(grad):
+    """``"none"`` keeps the token axis (0 at padding), ``"per-sequence"`` one loss per row; both
+    sum, in value and gradient, to ``"sum"``."""
     testbed = make("tabular")
     s = testbed.sample(6, generator=make_generator(6))
-    per_seq = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, reduction="none")
-    mean = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask)
-    assert per_seq.shape == (6,) and torch.allclose(per_seq.mean(), mean)
+    params = testbed.parameters()
+    out = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", KLGradientWarning)
+        for reduction in ("none", "per-sequence", "sum"):
+            loss = klest.kl_penalty(
+                s.logp,
+                s.logp_ref,
+                mask=s.mask,
+                grad=grad,
+                reduction=reduction,
+                logits=s.logits,
+                logits_ref=s.logits_ref,
+            )
+            out[reduction] = (loss, torch.autograd.grad(loss.sum(), params, retain_graph=True)[0])
+    assert out["none"][0].shape == s.logp.shape and out["per-sequence"][0].shape == (6,)
+    assert float(out["none"][0].detach()[~s.mask].abs().max()) == 0.0
+    for reduction in ("none", "per-sequence"):
+        loss, g = out[reduction]
+        torch.testing.assert_close(loss.sum(), out["sum"][0], rtol=1e-12, atol=1e-15)
+        torch.testing.assert_close(g, out["sum"][1], rtol=1e-12, atol=1e-15)
 
 
 # -- bad input --------------------------------------------------------------------------------
@@ -466,12 +488,12 @@ def test_bad_input():
     lp, lq, m = s.logp, s.logp_ref, s.mask
     with pytest.raises(ValueError, match="needs the full next-token distributions"):
         klest.kl_penalty(lp, lq, mask=m, grad="rb")
-    with pytest.raises(ValueError, match="needs at least 2 samples per group"):
-        klest.kl_penalty(
-            lp, lq, mask=m, grad="score", baseline="loo", group=torch.tensor([0, 0, 1, 2])
-        )
-    with pytest.raises(ValueError, match="claims reparameterized samples"):
+    with pytest.raises(ValueError, match="needs reparameterized samples"):
         klest.kl_penalty(lp, lq, mask=m, grad="pathwise")
+    with pytest.raises(ValueError, match="is a score-function gradient"):
+        klest.kl_penalty(lp, lq, mask=m, grad="cumulative", reparameterized=True)
+    with pytest.raises(TypeError, match="reparameterized must be a bool"):
+        klest.kl_penalty(lp, lq, mask=m, reparameterized=None)
     with pytest.raises(ValueError, match="logits has shape"):
         klest.kl_penalty(
             lp, lq, mask=m, grad="rb", logits=s.logits[:, :2], logits_ref=s.logits_ref[:, :2]
@@ -482,18 +504,24 @@ def test_bad_input():
         klest.kl_penalty(lp, lq, mask=m, grad="score", baseline="median")
     with pytest.raises(ValueError, match="unknown grad 'reinforce'"):
         klest.kl_penalty(lp, lq, mask=m, grad="reinforce")
-    with pytest.raises(ValueError, match="unknown value 'k5'"):
-        klest.kl_penalty(lp, lq, mask=m, value="k5")
-    with pytest.raises(ValueError, match="needs token-level values"):
-        klest.kl_penalty(lp, lq, mask=m, level="sequence", reduction="token-mean")
+    with pytest.raises(ValueError, match="unknown estimator 'k5'"):
+        klest.kl_penalty(lp, lq, mask=m, estimator="k5")
+    for reduction in ("token-mean", "none"):
+        with pytest.raises(ValueError, match="needs per-token values"):
+            klest.kl_penalty(lp, lq, mask=m, level="sequence", reduction=reduction)
 
     g = gaussian().sample(4, generator=make_generator(8))
+    rep = {"reparameterized": True}
     with pytest.raises(ValueError, match="needs logp_stl"):
-        klest.kl_penalty(g.logp, g.logp_ref, grad="stl")
-    with pytest.raises(ValueError, match="has mean zero only for KL"):
-        klest.kl_penalty(g.logp, g.logp_ref, grad="stl", logp_stl=g.logp_stl, direction="ref||pi")
+        klest.kl_penalty(g.logp, g.logp_ref, grad="stl", **rep)
+    with pytest.raises(ValueError, match="has mean zero only there"):
+        klest.kl_penalty(
+            g.logp, g.logp_ref, grad="stl", logp_stl=g.logp_stl, direction="ref||pi", **rep
+        )
     with pytest.raises(ValueError, match="needs samples from pi itself"):
-        klest.kl_penalty(g.logp, g.logp_ref, grad="pathwise", logp_behavior=g.logp.detach())
+        klest.kl_penalty(g.logp, g.logp_ref, grad="pathwise", logp_behavior=g.logp.detach(), **rep)
+    with pytest.raises(ValueError, match="needs logp_ref to carry the graph"):
+        klest.kl_penalty(g.logp, g.logp_ref.detach(), grad="pathwise", **rep)
     with pytest.raises(ValueError, match="gradient spec"):
         GradSpec.parse("k3")
 
@@ -523,13 +551,13 @@ def test_rb_value_is_unbiased(name, direction):
             sample.logp,
             sample.logp_ref,
             mask=sample.mask,
-            value="rb",
+            estimator="rb",
             grad="rb",
             direction=direction,
             logits=sample.logits,
             logits_ref=sample.logits_ref,
             logp_behavior=sample.logp_behavior,
-            reduction="none",
+            reduction="per-sequence",
         )
 
     audit = klest.audit_value(
@@ -555,8 +583,150 @@ def test_rao_blackwellization_can_increase_variance():
     testbed = TabularAutoregressive(pi, ref, horizon=2)
     s = testbed.evaluate(torch.tensor([[0, 2], [1, 2]]))  # the two sequences, each w.p. 1/2
     mc = klest.k1(s.logp, s.logp_ref, reduction="none").sum(-1).detach()
-    rb = klest.categorical_kl(s.logits, s.logits_ref).sum(-1).detach()
+    rb = klest.categorical_kl(s.logits, s.logits_ref, reduction="per-sequence").detach()
     assert float(mc[0]) == pytest.approx(float(mc[1]), rel=1e-14)  # log 2 each: variance 0
     rb_var = float(((rb - rb.mean()) ** 2).mean())  # exact: both sequences have probability 1/2
     assert rb_var == pytest.approx(math.log(3) ** 2 / 4, rel=1e-12)
     assert float(mc.mean()) == pytest.approx(float(rb.mean()), rel=1e-12)  # same mean: the KL
+
+
+# -- trainer batches ------------------------------------------------------------------------------
+
+
+def left_padded(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Move each right-padded row's valid tokens to the end of the row (``x`` ``[B, T, ...]``)."""
+    shift = mask.shape[1] - mask.sum(1)
+    cols = (torch.arange(mask.shape[1]) - shift.unsqueeze(1)) % mask.shape[1]
+    index = cols.reshape(*cols.shape, *([1] * (x.ndim - 2))).expand_as(x)
+    return x.gather(1, index)
+
+
+WITH_BASELINES = [
+    (grad, baseline, direction)
+    for grad in ("score", "cumulative", "rb", "token", "autodiff")
+    for baseline in (None, "loo", "mean", "ema")
+    for direction in BOTH
+    if baseline is None
+    or (grad in ("score", "cumulative") or (grad == "rb" and direction == "pi||ref"))
+]
+
+
+@pytest.mark.parametrize(("grad", "baseline", "direction"), WITH_BASELINES)
+def test_left_and_right_padding_give_the_same_loss_and_gradient(grad, baseline, direction):
+    """Per-position baselines align completions at their first token (eos makes lengths vary)."""
+    testbed = make("tabular")
+    s = testbed.sample(8, generator=make_generator(21))
+    assert not bool(s.mask.all())  # some rows are padded
+    group = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
+    results = []
+    for layout in ("right", "left"):
+
+        def arrange(x, layout=layout):
+            return x if layout == "right" else left_padded(x, s.mask)
+
+        ema = klest.BaselineEMA(decay=0.5) if baseline == "ema" else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KLGradientWarning)
+            for _ in range(2 if ema else 1):  # a second batch, so the moving average is not 0
+                loss = klest.kl_penalty(
+                    arrange(s.logp),
+                    arrange(s.logp_ref),
+                    mask=arrange(s.mask),
+                    grad=grad,
+                    direction=direction,
+                    baseline=ema if ema is not None else baseline,
+                    group=group if baseline in ("loo", "mean") else None,
+                    logits=arrange(s.logits),
+                    logits_ref=arrange(s.logits_ref),
+                )
+        params = testbed.parameters()
+        results.append((loss, torch.autograd.grad(loss, params, retain_graph=True)[0]))
+    (loss_r, grad_r), (loss_l, grad_l) = results
+    torch.testing.assert_close(loss_l, loss_r, rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(grad_l, grad_r, rtol=1e-10, atol=1e-13)
+
+
+def test_ema_baseline_aligns_completions_at_their_first_token():
+    testbed = make("tabular")
+    s = testbed.sample(8, generator=make_generator(22))
+    emas = {}
+    for layout in ("right", "left"):
+        ema = klest.BaselineEMA(decay=0.5)
+        arrange = (lambda x: x) if layout == "right" else (lambda x: left_padded(x, s.mask))
+        for _ in range(2):
+            klest.kl_penalty(
+                arrange(s.logp), arrange(s.logp_ref), mask=arrange(s.mask), baseline=ema
+            )
+        emas[layout] = ema
+    torch.testing.assert_close(emas["left"].sums, emas["right"].sums, rtol=1e-12, atol=0)
+    torch.testing.assert_close(emas["left"].weights, emas["right"].weights, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("grad", ["score", "cumulative"])
+def test_a_sample_alone_in_its_group_gets_leave_one_out_baseline_zero(grad):
+    """Gradient accumulation can leave one sample of a prompt in a micro-batch: it keeps an
+    unbiased gradient (baseline 0) and the details count it."""
+    testbed = make("tabular")
+    s = testbed.sample(5, generator=make_generator(23))
+    group = torch.tensor([0, 0, 1, 0, 2])
+    per_seq, details = klest.kl_penalty(
+        s.logp,
+        s.logp_ref,
+        mask=s.mask,
+        grad=grad,
+        baseline="loo",
+        group=group,
+        reduction="per-sequence",
+        return_details=True,
+    )
+    assert details.n_singleton_samples == 2
+    plain = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, grad=grad, reduction="per-sequence")
+    params = testbed.parameters()
+    for row in (2, 4):
+        (g_loo,) = torch.autograd.grad(per_seq[row], params, retain_graph=True)
+        (g_plain,) = torch.autograd.grad(plain[row], params, retain_graph=True)
+        torch.testing.assert_close(g_loo, g_plain, rtol=1e-12, atol=1e-15)
+    (g_loo,) = torch.autograd.grad(per_seq[0], params, retain_graph=True)
+    (g_plain,) = torch.autograd.grad(plain[0], params, retain_graph=True)
+    assert not torch.allclose(g_loo, g_plain)  # rows with company do get a baseline
+
+
+@pytest.mark.parametrize(
+    ("dtype", "expected"),
+    [
+        (torch.float32, torch.float32),
+        (torch.bfloat16, torch.float32),
+        (torch.float16, torch.float32),
+        (torch.float64, torch.float64),
+    ],
+)
+@pytest.mark.parametrize("baseline", [None, "loo", "ema"])
+def test_the_loss_has_the_compute_dtype(dtype, expected, baseline):
+    s = make("tabular").sample(6, generator=make_generator(24))
+    logp = s.logp.detach().to(dtype).requires_grad_()
+    loss = klest.kl_penalty(
+        logp,
+        s.logp_ref.to(dtype),
+        mask=s.mask,
+        baseline=klest.BaselineEMA() if baseline == "ema" else baseline,
+        group=torch.tensor([0, 0, 0, 1, 1, 1]) if baseline == "loo" else None,
+    )
+    assert loss.dtype == expected
+    (g,) = torch.autograd.grad(loss, [logp])
+    assert g.dtype == dtype
+
+
+def test_no_gradient_reaching_the_policy_warns_but_log_probs_from_logits_do_not():
+    s = make("tabular").sample(4, generator=make_generator(25))
+    with pytest.warns(KLGradientWarning, match="no gradient will reach the policy"):
+        klest.kl_penalty(s.logp.detach(), s.logp_ref, mask=s.mask)
+    logits = s.logits.detach().float().requires_grad_()
+    labels = torch.where(s.mask, s.x, -100)
+    _, d = klest.kl_from_logits(
+        logits, s.logits_ref.float(), labels=labels, reduction="none", return_details=True
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loss = klest.kl_penalty(d.logp, d.logp_ref, mask=s.mask, baseline="loo")
+    loss.backward()
+    assert logits.grad is not None and float(logits.grad.abs().max()) > 0

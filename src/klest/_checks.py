@@ -275,6 +275,7 @@ def check_log_probs(
     """
     if not checks.enabled:
         return
+    x = x.detach()
     k = torch.ones_like(x, dtype=torch.bool) if keep is None else keep
     checks.add(torch.isnan(x) & k, lambda f: f"{name} contains NaN at {first_bad(f)}")
     checks.add((x == math.inf) & k, lambda f: f"{name} contains +inf at {first_bad(f)}")

@@ -89,7 +89,9 @@ def _position_in_group(keys: Tensor) -> Tensor:
     return pos
 
 
-def fit_alpha(a: Tensor, b: Tensor, valid: Tensor, method: AlphaFit, *, keys: Tensor) -> Tensor:
+def fit_alpha(
+    a: Tensor, b: Tensor, valid: Tensor, method: AlphaFit, *, keys: Tensor | None = None
+) -> Tensor:
     """Coefficient per row, shape ``[rows]``, detached, float64.
 
     Args:
@@ -98,10 +100,12 @@ def fit_alpha(a: Tensor, b: Tensor, valid: Tensor, method: AlphaFit, *, keys: Te
       valid: bool ``[rows, T]``, True where a token counts.
       method: ``"loo"``, ``"crossfit"`` or ``"in-sample"``.
       keys: ``[rows]`` group keys (:func:`klest.aggregation.group_keys`): alpha is fitted within
-        each group separately (e.g. the samples of one prompt).
+        each group separately (e.g. the samples of one prompt); None: all rows are one group.
     """
     check_choice("alpha", method, AlphaFit)
     rows = a.shape[0]
+    if keys is None:
+        keys = torch.zeros(rows, dtype=torch.int64, device=a.device)
     a, b = a.detach().double(), b.detach().double()
     # Infinite values (a KL that is truly infinite) carry no information about alpha.
     keep = valid & torch.isfinite(a) & torch.isfinite(b)

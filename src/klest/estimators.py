@@ -303,8 +303,6 @@ def _resolve_alpha(
         b = weighted(control_term(lr.delta, direction), lr.log_w)
         if isinstance(alpha, AlphaEMA):
             return alpha(a, b, lr.valid).to(dtype)
-        if keys is None:
-            keys = torch.zeros(lr.delta.shape[0], dtype=torch.int64, device=device)
         return fit_alpha(a, b, lr.valid, alpha, keys=keys).to(dtype).unsqueeze(-1)
     if isinstance(alpha, Tensor):
         alpha = alpha.detach().to(device=device, dtype=dtype)

@@ -650,16 +650,18 @@ def test_bad_inputs():
         kl_logits_forward(z.long(), z)
     with pytest.raises(TypeError, match=r"z must be a torch\.Tensor, got list"):
         kl_logits_forward([[0.0]], z)
-    with pytest.raises(ValueError, match=r"labels has shape \(3,\) but z has 2 rows"):
+    with pytest.raises(
+        ValueError, match=r"labels has shape \(3,\) but the rows of z have shape \(2,\)"
+    ):
         kl_logits_forward(z, z, labels=torch.zeros(3, dtype=torch.long))
-    with pytest.raises(TypeError, match="labels must hold integer token ids"):
+    with pytest.raises(TypeError, match="labels must hold integer ids"):
         kl_logits_forward(z, z, labels=torch.zeros(2))
     with pytest.raises(ValueError, match="temperature must be finite and > 0"):
         kl_logits_forward(z, z, temperature=0.0)
     with pytest.raises(ValueError, match="block_v must be a power of two"):
         kl_logits_forward(z, z, block_v=100)
     stats = KLRowStats(*[torch.zeros(2)] * 7)
-    with pytest.raises(ValueError, match=r"grad_entropy has shape \(3,\) but z has 2 rows"):
+    with pytest.raises(ValueError, match=r"grad_entropy has shape \(3,\); expected \(2,\)"):
         kl_logits_backward(z, z, stats, grad_entropy=torch.zeros(3))
     with pytest.raises(ValueError, match="need the labels"):
         kl_logits_backward(z, z, stats, grad_logp_label=torch.zeros(2))
