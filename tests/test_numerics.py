@@ -20,7 +20,7 @@ mpmath.mp.dps = 50
 
 
 def ratio(delta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Log-probs (<= 0) whose difference is exactly ``delta``: ``min(delta, 0)``, ``min(-delta, 0)``."""
+    """Log-probs (<= 0) whose difference is exactly ``delta``: min(delta, 0), min(-delta, 0)."""
     return delta.clamp(max=0), (-delta).clamp(max=0)
 
 
