@@ -18,7 +18,7 @@ The two primitives behind every exact-from-logits path of klest
       \partial/\partial y = \tfrac{1}{\tau}\big[g_1 (p - q)
           - g_2\, p\odot(d + KL(p\|q)) + g_5 (e_l - p)\big]
 
-  for upstream gradients :math:`g_1..g_5` of the five outputs (DESIGN.md section 3).
+  for upstream gradients :math:`g_1..g_5` of the five outputs.
 
 The PyTorch path walks row chunks (``log_softmax`` in float32 on each), so no more than a few
 chunk-sized buffers exist at once; rows with ``-inf`` entries (a masked vocabulary) go through a

@@ -21,7 +21,7 @@ gradients in the inputs' dtypes:
     \partial/\partial y = \tfrac{1}{\tau}\big[g_1 (p - q)
         + g_2\, p\odot(\log p - \log q - KL(ref\|\pi)) + g_5 (e_l - p)\big],
 
-with upstream gradients :math:`g_1..g_5` of the five per-row outputs (DESIGN.md section 3).
+with upstream gradients :math:`g_1..g_5` of the five per-row outputs.
 
 This module imports without triton; :func:`triton_available` says whether the kernels can run
 (triton importable, and CUDA present or ``TRITON_INTERPRET=1``, which runs them on CPU tensors).
