@@ -4,7 +4,6 @@ klest list
 klest run NAME [--quick] [--out DIR] [--seed N]
 klest audit [--quick] [--seed N]
 klest demo [--quick]
-klest bench {vocab-cpu,vocab-gpu} [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -161,12 +160,6 @@ def _cmd_audit(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from klest.bench import run
-
-    return run(args.name, quick=args.quick, out=args.out)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="klest", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -190,12 +183,6 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="reproduce the headline seed results and say where plots are")
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=_cmd_demo)
-
-    p = sub.add_parser("bench", help="speed / memory benchmarks of the exact-from-logits paths")
-    p.add_argument("name", choices=("vocab-cpu", "vocab-gpu"))
-    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.set_defaults(func=_cmd_bench)
 
     args = parser.parse_args(argv)
     return args.func(args)
