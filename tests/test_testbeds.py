@@ -7,9 +7,12 @@ import math
 import pytest
 import torch
 
+from klest.audit import audit_value
 from klest.testbeds import (
     CategoricalTestbed,
     GaussianTestbed,
+    OffPolicyTestbed,
+    SampledTestbed,
     TabularAutoregressive,
     make_generator,
 )
@@ -209,3 +212,56 @@ def test_tabular_constructor_errors():
     big = TabularAutoregressive.random(8, 8, markov=True)
     with pytest.raises(ValueError, match="too many to enumerate"):
         big.all_sequences()
+
+
+# -- The testbed protocol ---------------------------------------------------------------------
+@pytest.mark.parametrize("markov", [False, True])
+def test_tabular_log_probs_are_table_lookups(markov):
+    tb = TabularAutoregressive.random(3, 4, eos=2, markov=markov, seed=14)
+    tokens = tb.draw(50, generator=make_generator(15))
+    for ref, table in ((False, tb.logits.detach()), (True, tb.logits_ref)):
+        got = tb.log_probs(tokens, ref=ref).detach()
+        assert got.shape == (50, 4)
+        for row in range(50):
+            for t in range(4):
+                prefix = tuple(tokens[row, :t].tolist())
+                expected = table_logprobs(tb, table, prefix)[tokens[row, t]]
+                assert float(got[row, t]) == pytest.approx(float(expected), rel=1e-12)
+    assert tb.log_probs(tokens).requires_grad and not tb.log_probs(tokens, ref=True).requires_grad
+
+
+@pytest.mark.parametrize(
+    "tb",
+    [CategoricalTestbed.random(5, seed=16), TabularAutoregressive.random(3, 4, eos=2, seed=16)],
+    ids=["categorical", "tabular"],
+)
+def test_sampled_testbed_sample_is_evaluate_of_draw(tb):
+    assert isinstance(tb, SampledTestbed)
+    s = tb.sample(200, generator=make_generator(17))
+    x = tb.draw(200, generator=make_generator(17))
+    e = tb.evaluate(x)
+    assert torch.equal(s.x, x)
+    assert torch.equal(s.logp, e.logp) and torch.equal(s.logp_ref, e.logp_ref)
+
+
+def test_off_policy_needs_sampled_testbeds():
+    with pytest.raises(TypeError, match="GaussianTestbed cannot draw and evaluate samples"):
+        OffPolicyTestbed(gaussian(), gaussian())
+
+
+def test_sequence_expectation_of_points_is_their_expectation():
+    def fn(delta):
+        return delta**2
+
+    for tb in (GaussianTestbed.schulman(0.7), CategoricalTestbed.random(5, seed=18)):
+        assert float(tb.sequence_expectation(fn)) == float(tb.expectation(fn))
+
+
+def test_a_testbed_without_sequence_expectation_says_so():
+    target = TabularAutoregressive.random(3, 3, eos=2, seed=19)
+    off_policy = OffPolicyTestbed(target, TabularAutoregressive.random(3, 3, eos=2, seed=20))
+    with pytest.raises(NotImplementedError, match="OffPolicyTestbed cannot compute exact sequence"):
+        off_policy.sequence_expectation(lambda delta: delta)
+    # The audit then reports no exact mean for sequence-level estimators.
+    audit = audit_value("k1", off_policy, level="sequence", batch_size=4, n_trials=10)
+    assert audit.expected is None

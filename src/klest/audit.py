@@ -130,7 +130,7 @@ class EstimatorSpec:
             return per_token_values(delta, self.estimator, direction, alpha=self.alpha)
 
         try:
-            if self.level == "sequence" and hasattr(testbed, "sequence_expectation"):
+            if self.level == "sequence":
                 return float(testbed.sequence_expectation(per_token))
             return float(testbed.expectation(per_token))
         except (NotImplementedError, ValueError):

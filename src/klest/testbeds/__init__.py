@@ -1,5 +1,8 @@
 """Exact testbeds: distribution pairs whose KLs and KL gradients are known exactly.
 
+Every testbed is a :class:`Testbed`; those that draw raw samples and score them separately are
+:class:`SampledTestbed` s.
+
 - :class:`GaussianTestbed`: diagonal Gaussians, analytic KL and gradient, reparameterized samples.
 - :class:`CategoricalTestbed`: one categorical distribution, exact by summation.
 - :class:`TabularAutoregressive`: autoregressive policies over sequences, exact by enumeration
@@ -9,7 +12,7 @@
 """
 
 from klest.testbeds.autoregressive import TabularAutoregressive
-from klest.testbeds.base import Sample, Testbed, make_generator
+from klest.testbeds.base import Sample, SampledTestbed, Testbed, make_generator
 from klest.testbeds.categorical import CategoricalTestbed
 from klest.testbeds.gaussian import GaussianTestbed
 from klest.testbeds.wrappers import OffPolicyTestbed, ScoreFunctionGaussian
@@ -19,6 +22,7 @@ __all__ = [
     "GaussianTestbed",
     "OffPolicyTestbed",
     "Sample",
+    "SampledTestbed",
     "ScoreFunctionGaussian",
     "TabularAutoregressive",
     "Testbed",
