@@ -18,12 +18,17 @@ DEMO = ("schulman", "chimera-variance")
 
 def _run_experiment(name: str, *, quick: bool, seed: int, out: Path | None, progress: bool) -> bool:
     from klest.experiments import RunConfig, registry, write_report
+    from klest.experiments.runner import pyplot
 
     experiments = registry()
     if name not in experiments:
         raise SystemExit(
             f"unknown experiment {name!r}; `klest list` shows: {', '.join(experiments)}"
         )
+    try:
+        pyplot()  # fail before the experiment runs, not after
+    except ImportError as e:
+        raise SystemExit(f"klest run {name}: {e}") from None
     out = out or Path("runs") / name
     report = experiments[name].run(RunConfig(quick=quick, seed=seed, progress=progress))
     paths = write_report(report, out)

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from klest.audit import gradient_draws
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.penalty import KLGradientWarning, kl_penalty
 from klest.testbeds import GaussianTestbed, make_generator
 from klest.testbeds.base import Sample
@@ -143,10 +143,7 @@ def _variance_run(config: RunConfig) -> Report:
 
 
 def _variance_figure(rows: list[dict]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     dims = np.array([r["D"] for r in rows])
     grid = np.geomspace(dims.min(), dims.max(), 200)
@@ -237,10 +234,7 @@ def _training_run(config: RunConfig) -> Report:
 
 
 def _training_figure(curves: dict, dims: tuple[int, ...], every: int):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cols = min(3, len(dims))
     rows = math.ceil(len(dims) / cols)

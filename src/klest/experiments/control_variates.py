@@ -20,7 +20,7 @@ import torch
 
 from klest.audit import audit_value
 from klest.estimators import cv
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.testbeds import GaussianTestbed, make_generator
 
 ESTIMATORS = ("k1", "k3", "cv:loo", "cv:crossfit", "cv:ema", "cv:in-sample")
@@ -132,10 +132,7 @@ def run(config: RunConfig) -> Report:
 
 
 def _figure(rows: list[dict]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     s = np.array([r["ref_std"] for r in rows])
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))

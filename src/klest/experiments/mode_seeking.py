@@ -23,7 +23,7 @@ import math
 import numpy as np
 import torch
 
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.penalty import kl_penalty
 from klest.testbeds import GaussianMixtureTarget, make_generator
 from klest.testbeds.gaussian import gaussian_log_density
@@ -141,10 +141,7 @@ def run(config: RunConfig) -> Report:
 
 
 def _figure(fits: dict):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     x = torch.linspace(-6, 6, 1201, dtype=torch.float64)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))

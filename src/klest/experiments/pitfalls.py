@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from klest.audit import GradSpec, audit_grad
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.testbeds import TabularAutoregressive, make_generator
 
 VOCAB, HORIZON = 3, 4
@@ -197,10 +197,7 @@ def _tables(a: dict, b: dict, c: dict) -> str:
 
 
 def _figures(a: dict, b: dict, c: dict) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cmap = plt.get_cmap("tab10")
     colors = {e: cmap(i % 10) for i, e in enumerate((*ESTIMATORS, "exact gradient"))}
