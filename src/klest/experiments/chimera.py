@@ -36,6 +36,7 @@ import warnings
 import numpy as np
 import torch
 
+from klest._progress import progress_bar
 from klest.audit import gradient_draws
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.penalty import KLGradientWarning, kl_penalty
@@ -185,10 +186,8 @@ def _training_run(config: RunConfig) -> Report:
     steps = 300 if config.quick else 2000
     every = max(1, steps // 100)
     curves = {}
-    from tqdm.auto import tqdm
-
     jobs = [(d, e) for d in dims for e in ESTIMATORS]
-    for dim, e in tqdm(jobs, desc="chimera-training", disable=None if config.progress else True):
+    for dim, e in progress_bar(jobs, desc="chimera-training", enabled=config.progress):
         testbed = GaussianTestbed.chimera(dim, MU0)
         opt = torch.optim.Adam([testbed.mean], lr=0.02)
         gen = make_generator(config.seed)
