@@ -176,7 +176,7 @@ def test_off_policy_sequence_level_weights_are_the_sequence_ratio():
     pi = TabularAutoregressive.random(3, 3, seed=1, scale=0.7)
     mu = TabularAutoregressive(pi.logits_ref * 0.5, pi.logits_ref, horizon=3)
     s = mu.sample(100_000, generator=make_generator(2))
-    log_pi = pi._next_logprobs(pi.logits.detach(), s.x).gather(-1, s.x.unsqueeze(-1)).squeeze(-1)
+    log_pi = pi.log_probs(s.x).detach()
     for direction in DIRECTIONS:
         values = klest.k1(
             log_pi,

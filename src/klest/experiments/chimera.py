@@ -36,8 +36,9 @@ import warnings
 import numpy as np
 import torch
 
+from klest._progress import progress_bar
 from klest.audit import gradient_draws
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.penalty import KLGradientWarning, kl_penalty
 from klest.testbeds import GaussianTestbed, make_generator
 from klest.testbeds.base import Sample
@@ -143,10 +144,7 @@ def _variance_run(config: RunConfig) -> Report:
 
 
 def _variance_figure(rows: list[dict]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     dims = np.array([r["D"] for r in rows])
     grid = np.geomspace(dims.min(), dims.max(), 200)
@@ -188,10 +186,8 @@ def _training_run(config: RunConfig) -> Report:
     steps = 300 if config.quick else 2000
     every = max(1, steps // 100)
     curves = {}
-    from tqdm.auto import tqdm
-
     jobs = [(d, e) for d in dims for e in ESTIMATORS]
-    for dim, e in tqdm(jobs, desc="chimera-training", disable=None if config.progress else True):
+    for dim, e in progress_bar(jobs, desc="chimera-training", enabled=config.progress):
         testbed = GaussianTestbed.chimera(dim, MU0)
         opt = torch.optim.Adam([testbed.mean], lr=0.02)
         gen = make_generator(config.seed)
@@ -237,10 +233,7 @@ def _training_run(config: RunConfig) -> Report:
 
 
 def _training_figure(curves: dict, dims: tuple[int, ...], every: int):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cols = min(3, len(dims))
     rows = math.ceil(len(dims) / cols)

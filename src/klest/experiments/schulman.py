@@ -24,7 +24,7 @@ import torch
 
 from klest.audit import audit_value
 from klest.estimators import kl_estimate
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.testbeds import GaussianTestbed, make_generator
 
 ESTIMATORS = ("k1", "k2", "k3")
@@ -129,10 +129,7 @@ def _sweep(mus: np.ndarray, n: int, seed: int) -> dict:
 
 @torch.no_grad()
 def _figures(settings: list[dict], mus: np.ndarray, sweep: dict, seed: int) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colors = {"k1": "tab:red", "k2": "tab:blue", "k3": "tab:green"}
     grid = np.geomspace(mus[0], mus[-1], 200)

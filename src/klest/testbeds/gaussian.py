@@ -154,3 +154,7 @@ class GaussianTestbed(Testbed):
         z = torch.as_tensor(z, dtype=torch.float64)
         w = torch.as_tensor(w / math.sqrt(2 * math.pi), dtype=torch.float64)
         return (w * fn(m + s * z)).sum()
+
+    def sequence_expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """:meth:`expectation`: a sample is one point, whose log-ratio sums its dimensions."""
+        return self.expectation(fn)
