@@ -119,6 +119,7 @@ class EstimatorSpec:
             level=self.level,
             reduction="per-sequence",
             group=group,
+            density=sample.density,
         )
 
     def exact_mean(self, testbed: Testbed, direction: str) -> float | None:
@@ -318,6 +319,7 @@ class GradSpec:
                     estimator=self.value,
                     reparameterized=sample.reparameterized
                     and GRADIENT_ESTIMATORS[self.grad].samples != "sampled",
+                    density=sample.density,
                     grad=self.grad,
                     baseline=baseline,
                     direction=direction,

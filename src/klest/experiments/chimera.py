@@ -61,18 +61,24 @@ def loss(estimator: str, sample: Sample) -> torch.Tensor:
     """The training loss of one estimator on one batch (mean over the batch)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", KLGradientWarning)
+        rep = {"reparameterized": True}
         if estimator == "k1":
-            return kl_penalty(sample.logp, sample.logp_ref, value="k1", grad="pathwise")
+            return kl_penalty(sample.logp, sample.logp_ref, estimator="k1", grad="pathwise", **rep)
         if estimator == "k3":
-            return kl_penalty(sample.logp, sample.logp_ref, value="k3", grad="autodiff")
+            return kl_penalty(sample.logp, sample.logp_ref, estimator="k3", grad="autodiff", **rep)
         if estimator == "chimera":
-            return kl_penalty(sample.logp, sample.logp_ref, value="k3", grad="pathwise")
+            return kl_penalty(sample.logp, sample.logp_ref, estimator="k3", grad="pathwise", **rep)
         if estimator == "chimera + stl":
             return kl_penalty(
-                sample.logp, sample.logp_ref, value="k3", grad="stl", logp_stl=sample.logp_stl
+                sample.logp,
+                sample.logp_ref,
+                estimator="k3",
+                grad="stl",
+                logp_stl=sample.logp_stl,
+                **rep,
             )
-        # The seed's code: r = pi/ref inside k3, i.e. k3 with the arguments swapped.
-        return kl_penalty(sample.logp_ref, sample.logp, value="k3", grad="autodiff")
+        # The essay's code: r = pi/ref inside k3, i.e. k3 with the arguments swapped.
+        return kl_penalty(sample.logp_ref, sample.logp, estimator="k3", grad="autodiff", **rep)
 
 
 def closed_form_variance(estimator: str, dim: int, mu: float = MU0, batch: int = BATCH) -> float:

@@ -56,10 +56,11 @@ def _fit(kind: str, steps: int, batch: int, seed: int) -> dict:
             loss = kl_penalty(
                 _log_pi(x, mean, log_std),
                 log_t,
-                value="k1",
+                estimator="k1",
                 grad="score",
                 direction="ref||pi",
                 logp_behavior=log_t,
+                density=True,
             )
         else:
             x = mean + log_std.exp() * torch.randn(batch, generator=gen, dtype=torch.float64)
@@ -67,9 +68,10 @@ def _fit(kind: str, steps: int, batch: int, seed: int) -> dict:
             loss = kl_penalty(
                 _log_pi(x, mean, log_std),
                 TARGET.log_density(x),
-                value="k3",
+                estimator="k3",
                 grad="pathwise",
                 direction=direction,
+                reparameterized=True,
             )
         loss.backward()
         opt.step()

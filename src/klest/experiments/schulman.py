@@ -164,7 +164,9 @@ def _figures(settings: list[dict], mus: np.ndarray, sweep: dict, seed: int) -> d
         testbed = GaussianTestbed.schulman(s["mu"])
         sample = testbed.sample(200_000, generator=make_generator(seed))
         for e in ESTIMATORS:
-            v = kl_estimate(sample.logp, sample.logp_ref, estimator=e).numpy()
+            v = kl_estimate(
+                sample.logp, sample.logp_ref, estimator=e, reduction="none", density=True
+            ).numpy()
             lo, hi = np.quantile(v, [0.001, 0.995])
             ax.hist(
                 v,

@@ -37,6 +37,8 @@ class Sample:
         (reparameterized testbeds): the "sticking the landing" surrogate.
       logp_behavior: log behavior of the samples when they were drawn from a behavior
         distribution rather than pi (:class:`~klest.testbeds.OffPolicyTestbed`).
+      density: True when ``logp`` / ``logp_ref`` are log-densities of continuous samples
+        (which may exceed 0), False for log-probabilities of discrete ones.
     """
 
     logp: Tensor
@@ -48,6 +50,7 @@ class Sample:
     logits_ref: Tensor | None = None
     logp_stl: Tensor | None = None
     logp_behavior: Tensor | None = None
+    density: bool = False
 
 
 class Testbed(ABC):

@@ -124,6 +124,7 @@ class GaussianTestbed(Testbed):
             logp_ref=gaussian_log_density(x, self.mean_ref, self.log_std_ref),
             x=x,
             reparameterized=reparameterize,
+            density=True,
             logp_stl=gaussian_log_density(x, self.mean.detach(), self.log_std.detach())
             if reparameterize
             else None,
