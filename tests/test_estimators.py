@@ -105,7 +105,7 @@ def test_fitted_alpha_control_variate_is_unbiased(name, alpha, direction):
 
 
 def test_in_sample_alpha_is_biased_where_loo_is_not():
-    """Seed 001's recipe fits alpha on the samples it corrects; with 3 samples that shows."""
+    """An in-sample fit uses the samples it corrects; with 3 samples that shows as bias."""
     testbed = make("categorical-6")
     in_sample = audit_value("cv:in-sample", testbed, batch_size=3, n_trials=20000, seed=2)
     loo = audit_value("cv:loo", testbed, batch_size=3, n_trials=20000, seed=2)

@@ -218,7 +218,7 @@ def test_baselines_reduce_gradient_variance_at_high_kl(estimator, baseline):
 
 
 def test_leave_one_out_is_not_free_at_low_kl():
-    """DESIGN.md: a baseline adds the noise of its own estimate. At KL 0.78 (groups of 4) LOO
+    """A baseline adds the noise of its own estimate. At KL 0.78 (groups of 4) LOO
     multiplies cumulative's gradient variance by 1.73 (se 0.05): the lower bound R - Z se(R)
     must be above 1 (Z = 4; see the high-KL test for the standard error)."""
     plain = _squared_deviations("k3/cumulative", False, 4)
@@ -471,7 +471,7 @@ def test_bad_input():
 
 @pytest.mark.parametrize("alpha", [0.5, 2.0])
 def test_autodiff_of_a_control_variate_descends_alpha_times_the_other_kl(alpha):
-    """Seed 002: the regularization strength of an autodiffed control variate is its multiplier."""
+    """Tang & Munos (2025): an autodiffed control variate regularizes with its multiplier."""
     testbed = make("categorical")
     draws = gradient_draws(
         GradSpec.parse(f"cv:{alpha}/autodiff").build("pi||ref"),
@@ -510,7 +510,7 @@ def test_rb_value_is_unbiased(name, direction):
 
 
 def test_rao_blackwellization_can_increase_variance():
-    """DESIGN.md's counterexample to "Var(RB) <= Var(MC)": MC variance 0, RB (log 3)^2 / 4.
+    """A counterexample to "Var(RB) <= Var(MC)": MC variance 0, RB (log 3)^2 / 4.
 
     Tokens a=0, b=1, x=2, z=3, T=2: pi(ax) = pi(bx) = 1/2; ref(ax) = ref(bx) = 1/4, ref(bz) = 1/2.
     """

@@ -1,4 +1,4 @@
-"""Reproductions of the seeds' experiments, each a command: ``klest run NAME [--quick]``."""
+"""Reproductions of published KL-estimation results: ``klest run NAME [--quick]``."""
 
 from __future__ import annotations
 

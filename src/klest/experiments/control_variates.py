@@ -1,4 +1,4 @@
-r"""Control variates where the ratio has heavy tails (seed 001): fitted alpha vs k1 vs k3.
+r"""Control variates where the ratio has heavy tails: fitted alpha vs k1 vs k3.
 
 Samples from pi = N(0, 1); ref = N(0.5, s^2). The ratio r = ref/pi grows like
 exp(x^2 (1 - 1/s^2) / 2) in the tails, so :math:`Var_\pi(r) = E_\pi[r^2] - 1` is finite only for
@@ -8,7 +8,8 @@ A fitted coefficient :math:`\alpha^* = -Cov(k_1, r)/Var(r)` shrinks toward 0 whe
 
 Estimators (batches of 32, all via :func:`klest.audit_value`): k1, k3, and the control variate
 k1 + alpha (r - 1) with alpha fitted leave-one-out, cross-fitted, by EMA over batches, and
-in-sample (seed 001's recipe, which biases the estimate). Exact KL(pi||ref) is analytic.
+in-sample (fitted on the samples it corrects, which biases the estimate). Exact KL(pi||ref) is
+analytic.
 """
 
 from __future__ import annotations
@@ -169,6 +170,6 @@ def _figure(rows: list[dict]):
 
 EXPERIMENT = Experiment(
     name="control-variates",
-    description="Seed 001: fitted control-variate coefficient vs k1 vs k3 under heavy tails",
+    description="Fitted control-variate coefficient vs k1 vs k3 under heavy tails",
     run=run,
 )

@@ -1,4 +1,4 @@
-r"""Mode seeking vs mass covering: fit one Gaussian to two modes with each KL direction (seed 001).
+r"""Mode seeking vs mass covering: fit one Gaussian to two modes with each KL direction.
 
 Target ("ref"): 0.5 N(-2, 0.6^2) + 0.5 N(2, 0.6^2). Fitted pi = N(m, s^2), starting at
 N(0.5, 0.5^2), between the modes. Three fits, all through :func:`klest.kl_penalty`:
@@ -176,6 +176,6 @@ def _figure(fits: dict):
 
 EXPERIMENT = Experiment(
     name="mode-seeking",
-    description="Seed 001: fit a Gaussian to two modes with KL(pi||ref) and KL(ref||pi)",
+    description="Mode seeking vs mass covering: one Gaussian fit to two modes with either KL",
     run=run,
 )

@@ -1,9 +1,10 @@
-r"""Gradient pitfalls of KL estimators on tabular autoregressive policies (seed 002).
+r"""Gradient pitfalls of KL estimators on tabular autoregressive policies.
 
-Seed 002 ("On a few pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477)
-claims: autodiff of k1 has mean-zero gradient; autodiff of the variance-reduced k3 descends the
-other KL; token-level losses miss the effect of early tokens on later ones; the sequence-level
-("cumulative") gradient with leave-one-out baselines is right. On random tabular policies with
+"On a few pitfalls in KL divergence gradient estimation for RL" by Yunhao Tang and Rémi Munos
+(2025, https://arxiv.org/abs/2506.09477) claims: autodiff of k1 has mean-zero gradient; autodiff
+of the variance-reduced k3 descends the other KL; token-level losses miss the effect of early
+tokens on later ones; the sequence-level ("cumulative") gradient with leave-one-out baselines is
+right. On random tabular policies with
 exact gradients (V = 3, T = 4, every sequence enumerable), three parts:
 
 A. bias and MSE of each gradient estimator against the exact gradient of KL(pi||ref), as a
@@ -286,6 +287,6 @@ def run(config: RunConfig) -> Report:
 
 EXPERIMENT = Experiment(
     name="pitfalls",
-    description="Seed 002: gradient bias/MSE vs samples, KL minimization and reward-KL curves",
+    description="KL gradient pitfalls: bias/MSE vs samples, KL minimization and reward-KL curves",
     run=run,
 )

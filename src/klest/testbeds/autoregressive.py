@@ -17,7 +17,7 @@ Two parameterizations:
   ``[T, V + 1, V]`` (state ``V`` is the start); exact values by dynamic programming over the
   last-token marginal, O(T V^2), so T can be large.
 
-Exact gradients are autodiff of these exact computations. Used by seed 002's experiments
+Exact gradients are autodiff of these exact computations. Used by the gradient-pitfalls experiments
 ("On a few pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477).
 """
 

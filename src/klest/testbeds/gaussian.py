@@ -87,7 +87,7 @@ class GaussianTestbed(Testbed):
 
     @classmethod
     def chimera(cls, dim: int, mu: float = 0.05, **kwargs) -> GaussianTestbed:
-        """The Chimera seed's setting: pi = N(mu 1, I) in D dims, ref = N(0, I)."""
+        """The Chimera essay's setting: pi = N(mu 1, I) in D dims, ref = N(0, I)."""
         return cls(mean=mu, mean_ref=0.0, dim=dim, **kwargs)
 
     def parameters(self) -> list[Tensor]:
