@@ -62,3 +62,13 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     seconds = time_cuda(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / seconds
+
+
+def append_run(name: str, report: dict, out: Path) -> Path:
+    """Append ``report`` as one line of ``out/NAME.runs.jsonl``: every run is kept, so ranges
+    over runs can be recomputed from the files."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{name}.runs.jsonl"
+    with path.open("a") as f:
+        f.write(json.dumps(report) + "\n")
+    return path

@@ -36,16 +36,24 @@ def test_decouple_errors():
 
 
 def brute_group_baseline(targets, valid, group, kind):
-    """For each row and position: the mean over the rows of the same group valid there,
-    leaving the row itself out for "loo"; 0 where there is no such row."""
+    """For each valid position of each row: the mean, over the rows of the same group, of their
+    value the same number of tokens after their first valid token (where valid there), leaving
+    the row itself out for "loo"; 0 where there is no such row."""
     rows, t = targets.shape
+    first = [next((j for j in range(t) if bool(valid[i, j])), 0) for i in range(rows)]
     out = torch.zeros_like(targets)
     for i in range(rows):
         for j in range(t):
+            if not bool(valid[i, j]):
+                continue
+            offset = j - first[i]
             others = [
-                float(targets[k, j])
+                float(targets[k, first[k] + offset])
                 for k in range(rows)
-                if group[k] == group[i] and bool(valid[k, j]) and (kind == "mean" or k != i)
+                if group[k] == group[i]
+                and first[k] + offset < t
+                and bool(valid[k, first[k] + offset])
+                and (kind == "mean" or k != i)
             ]
             out[i, j] = sum(others) / len(others) if others else 0.0
     return out
@@ -57,13 +65,14 @@ def test_group_baseline_matches_brute_force_and_never_pools_groups(kind):
     targets = torch.randn(7, 4, generator=g, dtype=torch.float64)
     valid = torch.rand(7, 4, generator=g) > 0.3
     group = torch.tensor([3, 3, 8, 3, 8, 1, 8])  # a group of one (id 1)
-    got = group_baseline(targets, valid, kind, group_keys(group))
+    valid[1, :2] = False  # a left-padded row: its positions count from its first token
+    got = torch.where(valid, group_baseline(targets, valid, kind, group_keys(group)), 0.0)
     torch.testing.assert_close(got, brute_group_baseline(targets, valid, group, kind))
     # Ids are honoured, not their order or values: relabelling changes nothing.
     relabelled = group_baseline(
         targets, valid, kind, group_keys(torch.tensor([0, 0, 5, 0, 5, 9, 5]))
     )
-    torch.testing.assert_close(relabelled, got)
+    torch.testing.assert_close(torch.where(valid, relabelled, 0.0), got)
 
 
 def test_group_keys_and_sizes():

@@ -274,28 +274,38 @@ def check_log_probs(
     """Queue the checks of log-probs at the kept positions: no NaN, no +inf, none above 0
     (beyond rounding; skipped for the log-densities of continuous samples, ``density``), and no
     -inf unless ``allow_neg_inf`` (``role`` says why it is impossible).
+
+    One reduction pass (``aminmax``; NaN propagates to both ends) decides; the detailed message
+    is built only when a check fails.
     """
-    if not checks.enabled:
+    if not checks.enabled or x.numel() == 0:
         return
     x = x.detach()
-    k = torch.ones_like(x, dtype=torch.bool) if keep is None else keep
-    checks.add(torch.isnan(x) & k, lambda f: f"{name} contains NaN at {first_bad(f)}")
-    checks.add((x == math.inf) & k, lambda f: f"{name} contains +inf at {first_bad(f)}")
-    if not density:
-        tol = _POSITIVE_LOGP_TOL.get(x.dtype, _POSITIVE_LOGP_TOL_DEFAULT)
-        checks.add(
-            (x > tol) & k,
-            lambda f: (
-                f"{name} has values above 0 at {first_bad(f)}, largest {float(x[k].max()):.4g}:"
-                f" log-probabilities are <= 0. Were these {_what_was_passed(x, k)} (Log-densities"
-                " of continuous samples may exceed 0: pass density=True.)"
-            ),
-        )
+    tol = math.inf if density else _POSITIVE_LOGP_TOL.get(x.dtype, _POSITIVE_LOGP_TOL_DEFAULT)
+    # Masked positions may hold anything: replace them by a harmless -1.
+    lo, hi = torch.aminmax(x if keep is None else torch.where(keep, x, -1.0))
+    bad = ~(hi < math.inf) | (hi > tol)  # NaN, +inf, or above 0
     if not allow_neg_inf:
-        checks.add(
-            (x == -math.inf) & k,
-            lambda f: f"{name} is -inf at {first_bad(f)}: {role}; mask such positions out",
+        bad = bad | (lo == -math.inf)
+
+    def message(_: Tensor) -> str:
+        k = torch.ones_like(x, dtype=torch.bool) if keep is None else keep
+        for flags, what in ((torch.isnan(x) & k, "NaN"), ((x == math.inf) & k, "+inf")):
+            if bool(flags.any()):
+                return f"{name} contains {what} at {first_bad(flags)}"
+        above = (x > tol) & k
+        if bool(above.any()):
+            return (
+                f"{name} has values above 0 at {first_bad(above)}, largest "
+                f"{float(x[k].max()):.4g}: log-probabilities are <= 0. Were these "
+                f"{_what_was_passed(x, k)} (Log-densities of continuous samples may exceed 0: "
+                "pass density=True.)"
+            )
+        return (
+            f"{name} is -inf at {first_bad((x == -math.inf) & k)}: {role}; mask such positions out"
         )
+
+    checks.add(bad, message)
 
 
 def check_finite_surrogate(surrogate: Tensor, checks: ValueChecks, explain: Callable[[], str]):

@@ -2,9 +2,9 @@
 
 Peers compute k3 as ``exp(x) - x - 1``; near x = 0 the two large terms cancel and in float32 the
 result is mostly rounding noise (relative error 0.3-1 for |x| in [1e-5, 1e-2]). Here each function
-is a Taylor polynomial for |x| < 1/2 (truncation below float64 precision) and the direct formula
-elsewhere, where no cancellation happens. Both branches see only inputs valid for them, so the
-unselected branch never puts NaN into a gradient.
+is a Taylor polynomial for |x| < 1/2 (truncation below the dtype's precision) and the direct
+formula elsewhere, where no cancellation happens. With a graph both branches see only inputs valid
+for them, so the unselected branch never puts NaN into a gradient.
 """
 
 from __future__ import annotations
@@ -15,23 +15,32 @@ import torch
 from torch import Tensor
 
 _SERIES_RADIUS = 0.5
-# |x|^16 / 18! < 3e-21 for |x| < 1/2: the polynomial's truncation error is below float64 epsilon.
-_DEGREE = 17
+# Below the radius a Taylor polynomial; its degree is chosen per dtype so that the truncation,
+# relative to the leading term x^2 / 2, is below the dtype's epsilon: for float64 degree 17
+# (|x|^16 / 18! < 3e-21), for float32 degree 10 (2 |x|^8 / 11! < 2e-10 at |x| = 1/2; the ref||pi
+# tail's (k - 1) / k! coefficients give 2e-9).
+_DEGREE = {torch.float64: 17}
+_DEGREE_DEFAULT = 10
 # e^x - 1 - x = sum_{k>=2} x^k / k!
-_EXP_TAIL = tuple(1.0 / math.factorial(k) for k in range(2, _DEGREE + 1))
+_EXP_TAIL = tuple(1.0 / math.factorial(k) for k in range(2, 18))
 # 1 + e^x (x - 1) = x e^x - (e^x - 1) = sum_{k>=2} (k - 1) x^k / k!
-_XEXP_TAIL = tuple((k - 1) / math.factorial(k) for k in range(2, _DEGREE + 1))
+_XEXP_TAIL = tuple((k - 1) / math.factorial(k) for k in range(2, 18))
 
 
 def _series_or_direct(x: Tensor, coeffs: tuple[float, ...], direct) -> Tensor:
+    degree = _DEGREE.get(x.dtype, _DEGREE_DEFAULT)
+    coeffs = coeffs[: degree - 1]
     small = x.abs() < _SERIES_RADIUS
-    xs = torch.where(small, x, torch.zeros_like(x))
+    needs_graph = torch.is_grad_enabled() and x.requires_grad
+    # With a graph, each branch sees only inputs valid for it (the unselected branch's backward
+    # would otherwise put inf * 0 = NaN into the gradient); without one, both see x as it is.
+    xs = torch.where(small, x, torch.zeros_like(x)) if needs_graph else x
     acc = torch.full_like(xs, coeffs[-1])
     for c in reversed(coeffs[:-1]):
-        acc = acc * xs + c
+        c = torch.tensor(c, dtype=xs.dtype, device=xs.device)
+        acc = torch.addcmul(c, acc, xs)  # c + acc * x in one pass
     series = acc * xs * xs
-    # Inputs the direct branch never uses are replaced by 1: no NaN or inf in its backward.
-    xd = torch.where(small, torch.ones_like(x), x)
+    xd = torch.where(small, torch.ones_like(x), x) if needs_graph else x
     return torch.where(small, series, direct(xd))
 
 

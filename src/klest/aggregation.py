@@ -58,24 +58,31 @@ def sequence_shape(shape: torch.Size) -> torch.Size:
     return shape[:-1] if len(shape) >= 2 else shape
 
 
-def reduce_rows(values: Tensor, valid: Tensor, reduction: str, shape: torch.Size) -> Tensor:
+def reduce_rows(values: Tensor, valid: Tensor | None, reduction: str, shape: torch.Size) -> Tensor:
     """Reduce ``[rows, T]`` values whose invalid positions are already 0 (module docstring).
 
-    ``shape`` is the caller's layout (``[..., T]`` or ``[N]``): ``"none"`` restores it and
-    ``"per-sequence"`` gives :func:`sequence_shape` of it.
+    ``valid`` is None when every position counts (no mask). ``shape`` is the caller's layout
+    (``[..., T]`` or ``[N]``): ``"none"`` restores it and ``"per-sequence"`` gives
+    :func:`sequence_shape` of it.
     """
     if reduction == "none":
         return values.reshape(shape)
     if reduction == "sum":
         return values.sum()
+    rows, t = values.shape
     if reduction == "token-mean":
-        return values.sum() / valid.sum().clamp(min=1)
-    per_row = values.sum(-1)
+        return values.sum() / _at_least_one(rows * t if valid is None else valid.sum())
+    per_row = values.squeeze(-1) if t == 1 else values.sum(-1)
     if reduction == "per-sequence":
         return per_row.reshape(sequence_shape(shape))
     if reduction == "seq-mean-token-mean":
-        per_row = per_row / valid.sum(-1).clamp(min=1)
-    return per_row.sum() / valid.any(-1).sum().clamp(min=1)
+        per_row = per_row / _at_least_one(t if valid is None else valid.sum(-1))
+    return per_row.sum() / _at_least_one(rows if valid is None else valid.any(-1).sum())
+
+
+def _at_least_one(count: int | Tensor) -> int | Tensor:
+    """A divisor of the means: empty counts become 1, so an empty batch gives 0 (no sync)."""
+    return max(count, 1) if isinstance(count, int) else count.clamp(min=1)
 
 
 def aggregate(
@@ -116,12 +123,11 @@ def aggregate(
     check_choice("reduction", reduction, Reduction)
     checks = ValueChecks(resolve_validate(validate))
     rows = as_rows(values)
-    if mask is None:
-        valid = torch.ones_like(rows, dtype=torch.bool)
-    else:
+    valid = None
+    if mask is not None:
         valid = as_rows(check_mask(mask, values.shape, values.device, checks, of="values"))
+        rows = torch.where(valid, rows, torch.zeros_like(rows))
     checks.run()
-    rows = torch.where(valid, rows, torch.zeros_like(rows))
     return reduce_rows(rows, valid, reduction, values.shape)
 
 
@@ -149,12 +155,13 @@ class KLDiagnostics(NamedTuple):
 
 
 def diagnostics(
-    values: Tensor, valid: Tensor, *, reduction: str, alpha: Tensor | None = None
+    values: Tensor, valid: Tensor | None, *, reduction: str, alpha: Tensor | None = None
 ) -> KLDiagnostics:
-    """Diagnostics of ``[rows, T]`` values (0 where not valid); units follow ``reduction``.
-
-    One host synchronisation (all numbers are read back together).
+    """Diagnostics of ``[rows, T]`` values (0 where not valid; ``valid`` None: all count); units
+    follow ``reduction``. One host synchronisation (all numbers are read back together).
     """
+    if valid is None:
+        valid = torch.ones_like(values, dtype=torch.bool)
     with torch.no_grad():
         v = values.detach().double()
         nonempty = valid.any(-1)

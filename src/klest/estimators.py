@@ -97,13 +97,20 @@ class LogRatios:
     """Validated inputs as ``[rows, T]`` tensors in the compute dtype.
 
     ``delta`` and ``log_w`` are 0 at masked positions (so masked inputs never reach a value or
-    a gradient); ``shape`` is the caller's layout, for :func:`~klest.aggregation.reduce_rows`.
+    a gradient); ``valid`` is None when there is no mask (every position counts: no masking
+    pass is spent); ``shape`` is the caller's layout, for :func:`~klest.aggregation.reduce_rows`.
     """
 
     delta: Tensor
     log_w: Tensor | None
-    valid: Tensor
+    valid: Tensor | None
     shape: torch.Size
+
+    def valid_or_all(self) -> Tensor:
+        """``valid`` as a tensor (all True without a mask)."""
+        if self.valid is None:
+            return torch.ones_like(self.delta, dtype=torch.bool)
+        return self.valid
 
 
 def prepare_log_ratios(
@@ -128,7 +135,7 @@ def prepare_log_ratios(
     if mask is not None:
         keep = check_mask(mask, logp.shape, logp.device, checks, of="the log-probs")
     sampler = "pi" if logp_behavior is None else "behavior"
-    # Off-policy, pi may give a behavior sample probability 0: weight 0, contributes 0.
+    # Off-policy, pi may give a behavior sample probability 0.
     check_log_probs(
         "logp",
         logp,
@@ -152,13 +159,18 @@ def prepare_log_ratios(
 
     dtype = compute_dtype(logp, logp_ref, logp_behavior)
     lp = as_rows(logp).to(dtype)
-    valid = torch.ones_like(lp, dtype=torch.bool) if keep is None else as_rows(keep)
+    valid = None if keep is None else as_rows(keep)
+    delta = lp - as_rows(logp_ref).to(dtype)
     log_w = None
     counted = valid
     if logp_behavior is not None:
-        log_w = torch.where(valid, lp - as_rows(logp_behavior).to(dtype), 0.0)
-        counted = valid & (lp > -math.inf)
-    delta = torch.where(counted, lp - as_rows(logp_ref).to(dtype), 0.0)
+        log_w = lp - as_rows(logp_behavior).to(dtype)
+        log_w = log_w if valid is None else torch.where(valid, log_w, 0.0)
+        # A behavior sample that pi cannot produce has weight 0 and contributes 0.
+        can_produce = lp > -math.inf
+        counted = can_produce if valid is None else valid & can_produce
+    if counted is not None:
+        delta = torch.where(counted, delta, 0.0)
     return LogRatios(delta, log_w, valid, logp.shape)
 
 
@@ -169,7 +181,7 @@ def at_sequence_level(lr: LogRatios) -> LogRatios:
     return LogRatios(
         lr.delta.sum(-1, keepdim=True),
         None if lr.log_w is None else lr.log_w.sum(-1, keepdim=True),
-        lr.valid.any(-1, keepdim=True),
+        None if lr.valid is None else lr.valid.any(-1, keepdim=True),
         torch.Size((*lr.shape[:-1], 1)),
     )
 
@@ -308,8 +320,8 @@ def _resolve_alpha(
         a = weighted(naive_term(lr.delta, direction), lr.log_w)
         b = weighted(control_term(lr.delta, direction), lr.log_w)
         if isinstance(alpha, AlphaEMA):
-            return alpha(a, b, lr.valid).to(dtype)
-        return fit_alpha(a, b, lr.valid, alpha, keys=keys).to(dtype).unsqueeze(-1)
+            return alpha(a, b, lr.valid_or_all()).to(dtype)
+        return fit_alpha(a, b, lr.valid_or_all(), alpha, keys=keys).to(dtype).unsqueeze(-1)
     if isinstance(alpha, Tensor):
         alpha = alpha.detach().to(device=device, dtype=dtype)
         checks.add(
@@ -339,12 +351,13 @@ class Estimate:
     """Per-row values of one estimator at one level, ready for reduction.
 
     ``values`` ``[rows, T]`` (``[rows, 1]`` at the sequence level) are 0 where ``valid`` is
-    False; ``shape`` is the layout :func:`~klest.aggregation.reduce_rows` restores; ``coef`` is
-    the control-variate coefficient used (``cv`` only).
+    False (``valid`` None: every position counts); ``shape`` is the layout
+    :func:`~klest.aggregation.reduce_rows` restores; ``coef`` is the control-variate coefficient
+    used (``cv`` only).
     """
 
     values: Tensor
-    valid: Tensor
+    valid: Tensor | None
     shape: torch.Size
     coef: Tensor | None = None
 
@@ -369,12 +382,11 @@ def estimate_rows(
     """The values of ``estimator`` for validated log-ratios (``kls``: exact per-position KLs
     ``[rows, T]`` for ``"rb"``)."""
     if estimator == "rb":
-        assert kls is not None
-        values = torch.where(lr.valid, rb_weights(lr, direction) * kls, 0.0)
-        est = Estimate(values, lr.valid, lr.shape)
+        assert kls is not None  # 0 at masked positions
+        est = Estimate(rb_weights(lr, direction) * kls, lr.valid, lr.shape)
         if level == "sequence" and len(lr.shape) >= 2:
             seq = at_sequence_level(lr)
-            est = Estimate(values.sum(-1, keepdim=True), seq.valid, seq.shape)
+            est = Estimate(est.values.sum(-1, keepdim=True), seq.valid, seq.shape)
         return est
     lr = at_sequence_level(lr) if level == "sequence" else lr
     coef = _resolve_alpha(alpha, lr, direction, keys, checks) if estimator == "cv" else None
@@ -382,7 +394,9 @@ def estimate_rows(
         values = _control_variate(lr.delta, direction, coef)
     else:
         values = per_token_values(lr.delta, estimator, direction)
-    values = torch.where(lr.valid, weighted(values, lr.log_w), 0.0)
+    values = weighted(values, lr.log_w)
+    if lr.valid is not None:
+        values = torch.where(lr.valid, values, 0.0)
     return Estimate(values, lr.valid, lr.shape, coef)
 
 
@@ -418,9 +432,8 @@ def exact_position_kls(
                 f"{name} has shape {tuple(t.shape)}; expected logp's shape {tuple(logp.shape)} "
                 "plus a vocabulary dimension"
             )
-    kls = position_kls(
-        logits, logits_ref, direction=direction, keep=lr.valid.reshape(logp.shape), checks=checks
-    )
+    keep = None if lr.valid is None else lr.valid.reshape(logp.shape)
+    kls = position_kls(logits, logits_ref, direction=direction, keep=keep, checks=checks)
     return as_rows(kls).to(lr.delta.dtype)
 
 
@@ -832,8 +845,10 @@ def f_divergence(
             f"shape {tuple(r.shape)}"
         )
     values = values - f_prime_at_1 * torch.expm1(-delta)
-    _check_f_values(values, r, delta, lr.valid, checks)
-    values = torch.where(lr.valid, weighted(values.to(lr.delta.dtype), lr.log_w), 0.0)
+    _check_f_values(values, r, delta, lr.valid_or_all(), checks)
+    values = weighted(values.to(lr.delta.dtype), lr.log_w)
+    if lr.valid is not None:
+        values = torch.where(lr.valid, values, 0.0)
     checks.run()
     est = Estimate(values, lr.valid, lr.shape)
     out = est.reduce(reduction)

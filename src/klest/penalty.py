@@ -137,26 +137,34 @@ class SurrogateInputs:
         return self.lr.log_w is None
 
     def token_estimate(self, values: Tensor) -> Estimate:
-        return Estimate(torch.where(self.lr.valid, values, 0.0), self.lr.valid, self.lr.shape)
+        valid = self.lr.valid
+        return Estimate(
+            values if valid is None else torch.where(valid, values, 0.0), valid, self.lr.shape
+        )
 
-    def baseline_for(self, targets: Tensor, valid: Tensor) -> Tensor | float:
+    def score_estimate(self, coef: Tensor) -> Estimate:
+        """``log pi`` of each valid token times a detached coefficient ``[rows, T]`` (or
+        ``[rows, 1]``), masked once on the coefficient: ``logp_rows`` is already 0 there."""
+        if self.lr.valid is not None:
+            coef = torch.where(self.lr.valid, coef, 0.0)
+        return Estimate(self.logp_rows * coef, self.lr.valid, self.lr.shape)
+
+    def baseline_for(self, targets: Tensor, valid: Tensor | None) -> Tensor | float:
         """The baseline of detached ``targets`` ``[rows, T]``, per position from each row's
-        first valid token (so left and right padding agree)."""
+        first valid token (so left and right padding agree; ``valid`` None: all count)."""
         if self.baseline is None:
             return 0.0
-        per_position = targets.shape[-1] > 1
-        if per_position:
-            aligned, aligned_valid = align_left(targets, valid)
-        else:
-            aligned, aligned_valid = targets, valid
-        if isinstance(self.baseline, BaselineEMA):
-            b = self.baseline(aligned, aligned_valid)
-        else:
+        if valid is None:
+            valid = torch.ones_like(targets, dtype=torch.bool)
+        if not isinstance(self.baseline, BaselineEMA):
             keys = self.keys
             if keys is None:
                 keys = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
-            b = group_baseline(aligned, aligned_valid, self.baseline, keys)
-        return unalign(b, valid) if per_position else b
+            return group_baseline(targets, valid, self.baseline, keys)
+        if targets.shape[-1] == 1:
+            return self.baseline(targets, valid)
+        aligned, aligned_valid = align_left(targets, valid)
+        return unalign(self.baseline(aligned, aligned_valid), valid)
 
 
 def _pathwise(x: SurrogateInputs) -> Estimate:
@@ -173,9 +181,10 @@ def _stl(x: SurrogateInputs) -> Estimate:
 def _token(x: SurrogateInputs) -> Estimate:
     """Each token's score times its own (weighted) log-ratio term only."""
     d = x.lr.delta.detach()
-    w = 1.0 if x.lr.log_w is None else torch.exp(x.lr.log_w.detach())
-    coef = w * d if x.direction == "pi||ref" else -w * torch.expm1(-d)
-    return x.token_estimate(x.logp_rows * coef)
+    coef = d if x.direction == "pi||ref" else -torch.expm1(-d)
+    if x.lr.log_w is not None:
+        coef = torch.exp(x.lr.log_w.detach()) * coef
+    return x.score_estimate(coef)
 
 
 def _score(x: SurrogateInputs) -> Estimate:
@@ -184,19 +193,24 @@ def _score(x: SurrogateInputs) -> Estimate:
     target = seq_delta if x.direction == "pi||ref" else torch.exp(-seq_delta)
     w = prefix_weights(x.lr.log_w, inclusive=True)
     w_seq = w if x.on_policy else w[:, -1:]
-    coef = w_seq * (target - x.baseline_for(target, x.lr.valid.any(-1, keepdim=True)))
-    return x.token_estimate(x.logp_rows * (coef if x.direction == "pi||ref" else -coef))
+    rows_valid = None if x.lr.valid is None else x.lr.valid.any(-1, keepdim=True)
+    coef = w_seq * (target - x.baseline_for(target, rows_valid))
+    return x.score_estimate(coef if x.direction == "pi||ref" else -coef)
 
 
 def _cumulative(x: SurrogateInputs) -> Estimate:
     """Each token's score times what it influences: the log-ratios from it on (prefix ratio)."""
-    w = prefix_weights(x.lr.log_w, inclusive=True)
     d = x.lr.delta.detach()
-    # KL(pi||ref): the weighted log-ratios to go; KL(ref||pi): the prefix ratio R_{<=t}.
-    target = sum_from_here(w * d) if x.direction == "pi||ref" else w * torch.exp(-d.cumsum(-1))
-    # A baseline b_t enters as W_{<=t} b_t: zero mean since E_behavior[W_{<=t} s_t] = 0.
-    coef = target - w * x.baseline_for(target if x.on_policy else target / w, x.lr.valid)
-    return x.token_estimate(x.logp_rows * (coef if x.direction == "pi||ref" else -coef))
+    if x.on_policy:
+        # KL(pi||ref): the log-ratios to go; KL(ref||pi): the prefix ratio R_{<=t}.
+        target = sum_from_here(d) if x.direction == "pi||ref" else torch.exp(-d.cumsum(-1))
+        coef = target - x.baseline_for(target, x.lr.valid)
+    else:
+        w = prefix_weights(x.lr.log_w, inclusive=True)
+        target = sum_from_here(w * d) if x.direction == "pi||ref" else w * torch.exp(-d.cumsum(-1))
+        # A baseline b_t enters as W_{<=t} b_t: zero mean since E_behavior[W_{<=t} s_t] = 0.
+        coef = target - w * x.baseline_for(target / w, x.lr.valid)
+    return x.score_estimate(coef if x.direction == "pi||ref" else -coef)
 
 
 def _rb(x: SurrogateInputs) -> Estimate:
@@ -347,7 +361,7 @@ def _surrogate_explanation(
     """The message for a non-finite surrogate, naming the responsible argument."""
 
     def explain() -> str:
-        keep = lr.valid.reshape(logp.shape) & (logp > -torch.inf)
+        keep = lr.valid_or_all().reshape(logp.shape) & (logp > -torch.inf)
         zero_ref = keep & (logp_ref == -torch.inf)
         if bool(zero_ref.any()):
             first = tuple(zero_ref.nonzero()[0].tolist())
@@ -508,22 +522,26 @@ def kl_penalty(
         check_float_tensor("logp_stl", logp_stl)
         check_same_shape(logp=logp, logp_stl=logp_stl)
         stl = as_rows(logp_stl).to(lr.delta.dtype) - as_rows(logp_ref).to(lr.delta.dtype)
-        stl_delta = torch.where(lr.valid, stl, 0.0)
+        stl_delta = stl if lr.valid is None else torch.where(lr.valid, stl, 0.0)
     _warn_about_gradient(
         est, estimator, direction, reparameterized, logp, logp_ref, logits, logp_stl
     )
 
-    value = estimate_rows(
-        lr,
-        estimator=estimator,
-        direction=direction,
-        level=level,
-        alpha=alpha,
-        keys=keys,
-        kls=kls,
-        checks=checks,
-    )
-    logp_rows = torch.where(lr.valid, as_rows(logp).to(lr.delta.dtype), 0.0)
+    # The value passes no gradient (decouple detaches it) unless it is the gradient (autodiff).
+    with torch.set_grad_enabled(torch.is_grad_enabled() and grad == "autodiff"):
+        value = estimate_rows(
+            lr,
+            estimator=estimator,
+            direction=direction,
+            level=level,
+            alpha=alpha,
+            keys=keys,
+            kls=kls,
+            checks=checks,
+        )
+    logp_rows = as_rows(logp).to(lr.delta.dtype)
+    if lr.valid is not None:
+        logp_rows = torch.where(lr.valid, logp_rows, 0.0)
     inputs = SurrogateInputs(lr, logp_rows, direction, value, baseline, keys, kls, stl_delta)
     value_out = value.reduce(reduction)
     surrogate_out = est.surrogate(inputs).reduce(reduction)

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from klest._checks import ValueChecks, check_decay, check_tensor, resolve_validate
+from klest.sequence import first_token
 
 
 def decouple(value: Tensor, surrogate: Tensor, *, validate: bool | None = None) -> Tensor:
@@ -164,21 +165,26 @@ def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> T
     """Leave-one-out (``"loo"``) or mean baseline of ``targets`` ``[rows, T]`` within each group.
 
     ``keys`` ``[rows]`` are group keys (:func:`klest.aggregation.group_keys`). Positions are
-    averaged separately, over the rows valid there; ``"loo"`` excludes the row's own value.
-    Where no (other) row is valid at a position the baseline is 0. In ``targets``' dtype.
+    counted from each row's first valid token (left and right padding agree) and averaged over
+    the rows of the group valid there; ``"loo"`` excludes the row's own value. Where no (other)
+    row is valid at a position the baseline is 0. In ``targets``' dtype.
     """
-    rows = targets.shape[0]
-    x = torch.where(valid, targets.detach().double(), 0.0)
-    shape = (rows, targets.shape[-1])
-    sums = torch.zeros(shape, dtype=torch.float64, device=x.device).index_add_(0, keys, x)
-    counts = torch.zeros(shape, dtype=torch.float64, device=x.device).index_add_(
-        0, keys, valid.double()
-    )
-    own_sum, own_count = sums[keys], counts[keys]
+    rows, t = targets.shape
+    x = torch.where(valid, targets.detach(), 0.0)
+    counted = valid.to(x.dtype)
+    # Each (group, position from the first token) is one cell of a [rows * T] grid of sums.
+    cell = keys.unsqueeze(-1) * t
+    if t > 1:
+        offset = torch.arange(t, device=x.device) - first_token(valid).unsqueeze(-1)
+        cell = cell + offset.clamp(min=0)  # before the first token: invalid, adds nothing
+    cell = cell.expand(rows, t)
+    flat = cell.reshape(-1)
+    sums = torch.zeros(rows * t, dtype=x.dtype, device=x.device).index_add_(0, flat, x.view(-1))
+    counts = torch.zeros_like(sums).index_add_(0, flat, counted.view(-1))
+    own_sum, own_count = sums[cell], counts[cell]
     if kind == "loo":
-        own_sum, own_count = own_sum - x, own_count - valid.double()
-    baseline = torch.where(own_count > 0, own_sum / own_count.clamp(min=1.0), 0.0)
-    return baseline.to(targets.dtype)
+        own_sum, own_count = own_sum - x, own_count - counted
+    return torch.where(own_count > 0, own_sum / own_count.clamp(min=1.0), 0.0)
 
 
 def group_sizes(keys: Tensor) -> Tensor:

@@ -195,7 +195,12 @@ def _run(
 
 
 def position_kls(
-    logits: Tensor, logits_ref: Tensor, *, direction: str, keep: Tensor, checks: ValueChecks
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    direction: str,
+    keep: Tensor | None,
+    checks: ValueChecks,
 ) -> Tensor:
     """Exact per-position KLs ``[...]`` (0 where ``keep`` is False) for klest's estimators.
 

@@ -1,0 +1,179 @@
+"""What klest costs against the one-liner it replaces, on the sampled-token path (JSON out).
+
+    python benchmarks/bench_overhead.py [--quick] [--out DIR] [--device cpu|cuda]
+
+Never a timed test: this writes medians and ratios against baselines measured in the same run to
+``benchmarks/results/overhead-DEVICE.json`` (and appends the run to ``overhead-DEVICE.runs.jsonl``)
+and prints a table. Cases, with validation on (klest's default):
+
+* ``kl_penalty``: ``klest.kl_penalty(estimator="k3", grad="cumulative", baseline="loo",
+  group=...)`` forward + backward on B = 64 sequences x T = 4096 tokens, float32, a tenth of each
+  row padded, groups of 8 samples; the baseline is the same math written in plain PyTorch in this
+  file (:func:`plain_penalty`: k3's value, the reward-to-go score surrogate, a per-position
+  leave-one-out baseline over each group).
+* ``k1``: ``klest.k1(..., reduction="none")`` on 10M samples against ``logp - logp_ref``, and the
+  default (mean) reduction against ``(logp - logp_ref).mean()``.
+
+Times are medians of repeated calls after warm-up (CUDA: synchronized wall time, so the host
+time of the call counts); ``--quick`` shrinks the sizes (a smoke test).
+"""
+
+from __future__ import annotations
+
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+import klest
+from _common import append_run, parser, write_report
+
+
+def plain_penalty(logp, logp_ref, mask, group_size):
+    """k3's value with the cumulative (reward-to-go) gradient and a per-position leave-one-out
+    baseline over groups of ``group_size`` consecutive rows, in plain PyTorch (right padding)."""
+    m = mask.to(logp.dtype)
+    d = (logp - logp_ref) * m
+    value = ((torch.expm1(-d) + d) * m).sum(-1).mean()
+    to_go = d.detach().flip(-1).cumsum(-1).flip(-1) * m
+    b, t = logp.shape
+    tg, mg = to_go.view(-1, group_size, t), m.view(-1, group_size, t)
+    others = (tg.sum(1, keepdim=True) - tg) / (mg.sum(1, keepdim=True) - mg).clamp(min=1)
+    surrogate = (logp * (tg - others * mg).view(b, t)).sum(-1).mean()
+    return value.detach() + surrogate - surrogate.detach()
+
+
+def _time(fn: Callable[[], object], device: str, reps: int) -> list[float]:
+    for _ in range(3):
+        fn()
+    seconds = []
+    for _ in range(reps):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _case(name: str, methods: dict[str, Callable[[], object]], tokens: int, device: str, reps):
+    runs = {m: _time(fn, device, reps) for m, fn in methods.items()}
+    base = statistics.median(next(iter(runs.values())))
+    return {
+        "case": name,
+        "tokens": tokens,
+        "results": {
+            m: {
+                "seconds": statistics.median(s),
+                "seconds_all": s,
+                "ratio": statistics.median(s) / base,
+                "tokens_per_second": tokens / statistics.median(s),
+            }
+            for m, s in runs.items()
+        },
+    }
+
+
+def penalty_case(b: int, t: int, device: str, reps: int) -> dict:
+    g = torch.Generator(device=device).manual_seed(0)
+    logp0 = -torch.rand(b, t, generator=g, device=device) * 3
+    logp_ref = -torch.rand(b, t, generator=g, device=device) * 3
+    mask = torch.ones(b, t, dtype=torch.bool, device=device)
+    mask[:, t - t // 10 :] = False
+    group = torch.arange(b, device=device) // 8
+
+    def klest_step():
+        logp = logp0.clone().requires_grad_()
+        klest.kl_penalty(
+            logp,
+            logp_ref,
+            mask=mask,
+            estimator="k3",
+            grad="cumulative",
+            baseline="loo",
+            group=group,
+        ).backward()
+
+    def plain_step():
+        logp = logp0.clone().requires_grad_()
+        plain_penalty(logp, logp_ref, mask, 8).backward()
+
+    return _case(
+        "kl_penalty k3/cumulative+loo fwd+bwd",
+        {"plain": plain_step, "klest": klest_step},
+        b * t,
+        device,
+        reps,
+    )
+
+
+def k1_cases(n: int, device: str, reps: int) -> list[dict]:
+    g = torch.Generator(device=device).manual_seed(1)
+    logp = -torch.rand(n, generator=g, device=device) * 3
+    logp_ref = -torch.rand(n, generator=g, device=device) * 3
+    per_sample = _case(
+        "k1 per sample (reduction='none')",
+        {
+            "plain": lambda: logp - logp_ref,
+            "klest": lambda: klest.k1(logp, logp_ref, reduction="none"),
+        },
+        n,
+        device,
+        reps,
+    )
+    mean = _case(
+        "k1 mean (default reduction)",
+        {
+            "plain": lambda: (logp - logp_ref).mean(),
+            "klest": lambda: klest.k1(logp, logp_ref),
+        },
+        n,
+        device,
+        reps,
+    )
+    return [per_sample, mean]
+
+
+def _table(report: dict) -> str:
+    lines = [
+        f"device: {report['device']}; medians of {report['reps']} calls; validation on\n",
+        "| case | tokens | method | time (ms) | x plain | tokens/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for case in report["cases"]:
+        for method, r in case["results"].items():
+            lines.append(
+                f"| {case['case']} | {case['tokens']} | {method} | {1e3 * r['seconds']:.2f} | "
+                f"{r['ratio']:.2f} | {r['tokens_per_second']:.3g} |"
+            )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = parser(__doc__)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    device = args.device
+    b, t, n, reps = (8, 256, 100_000, 5) if args.quick else (64, 4096, 10_000_000, 20)
+    if device == "cpu":
+        torch.set_num_threads(max(1, torch.get_num_threads()))
+    report = {
+        "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "reps": reps,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "quick": args.quick,
+        "cases": [penalty_case(b, t, device, reps), *k1_cases(n, device, reps)],
+    }
+    name = f"overhead-{device}"
+    write_report(name, report, _table(report), args.out)
+    append_run(name, report, args.out)
+
+
+if __name__ == "__main__":
+    main()
