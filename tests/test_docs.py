@@ -156,3 +156,24 @@ def test_literal_aliases_are_literals() -> None:
     """The option names documented as ``Literal`` aliases are ones (the API page says so)."""
     for name in ("Direction", "Reduction", "Level", "Estimator", "Grad", "Baseline", "AlphaFit"):
         assert typing.get_origin(getattr(klest, name)) is typing.Literal, name
+
+
+PAGES = sorted((ROOT / "docs").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_page_examples_run(page: Path) -> None:
+    """The ``python`` code blocks of each documentation page run, in order, in one namespace,
+    without a KLGradientWarning (a page's example that warns would teach a pitfall)."""
+    import warnings
+
+    import torch
+
+    blocks = re.findall(r"^```python\n(.*?)^```", page.read_text(), re.DOTALL | re.MULTILINE)
+    namespace: dict = {}
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", klest.KLGradientWarning)
+        for number, block in enumerate(blocks, 1):
+            exec(compile(block, f"{page.name} block {number}", "exec"), namespace)
+    assert klest.get_default_validate(), f"{page.name} left validation off"
