@@ -5,7 +5,10 @@ with only KL(pi||ref) asked for, and with all three sums) and the backward kerne
 of KL(pi||ref) w.r.t. z (2 reads, 1 write) over vocabulary blocks and warp counts, against the copy
 bandwidth measured in the same run. Each configuration's output is checked against the library's
 default launch (a wrong launch must not win on speed). Also the forward on masked vocabularies
-(``max_err`` there is the mean loop index: 0 fast, 1 a clamped re-read, 2 careful).
+(``max_err`` there is the mean loop index: 0 fast, 1 a clamped re-read, 2 careful). Every launch
+goes through the public :func:`klest.logits.kernels.kl_logits_forward` / ``kl_logits_backward``
+(``block_v=``, ``num_warps=``), so each timing includes their argument checks and the output
+allocation (microseconds, next to milliseconds of kernel).
 
     python benchmarks/gpu_tune.py --out tune.json
 """
@@ -15,18 +18,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
-
-from klest.bench_gpu import copy_bandwidth, time_cuda
-from klest.logits.kernels import kl_logits_forward
-from klest.logits.kernels.kl_logits import _kernels
+from _common import copy_bandwidth, time_cuda
+from klest.logits.kernels import kl_logits_backward, kl_logits_forward
 
 BLOCKS = (512, 1024, 2048, 4096)
 WARPS = (2, 4, 8)
@@ -52,32 +50,35 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     n, v = args.n, args.v
-    kern = _kernels()
     g = torch.Generator(device="cuda").manual_seed(0)
     z = (torch.randn(n, v, device="cuda", generator=g) * 2).bfloat16()
     y = (torch.randn(n, v, device="cuda", generator=g) * 2).bfloat16()
     bandwidth = copy_bandwidth()
     pass_s = z.nbytes / bandwidth
-    scale = math.log2(math.e)
     rows = []
 
-    out = torch.empty(7, n, device="cuda")
+    last: dict = {}  # the latest launch's output, checked before it is timed
     wants = {"KL(pi||ref)": (True, False, False), "all three": (True, True, True)}
     for label, (ab, ba, ent) in wants.items():
         ref = kl_logits_forward(z, y, want_kl_pi_ref=ab, want_kl_ref_pi=ba, want_entropy=ent)
         for bv, warps in itertools.product(BLOCKS, WARPS):
 
             def fwd(bv=bv, warps=warps, ab=ab, ba=ba, ent=ent):
-                kern.kl_logits_fwd_kernel[(n,)](
-                    z, y, out, out, out, z.stride(0), y.stride(0), n, v, scale,
-                    HAS_LABELS=False, RECORD_PATH=False, WANT_AB=ab, WANT_BA=ba, WANT_ENT=ent,
-                    BLOCK_V=bv, num_warps=warps,
-                )  # fmt: skip
+                last["stats"] = kl_logits_forward(
+                    z,
+                    y,
+                    want_kl_pi_ref=ab,
+                    want_kl_ref_pi=ba,
+                    want_entropy=ent,
+                    block_v=bv,
+                    num_warps=warps,
+                )
 
             def fwd_error(ref=ref):
+                out = last["stats"]
                 return max((out[i] - ref[i]).abs().max().item() for i in range(5))
 
-            out.fill_(float("nan"))
+            last.clear()
             row = {"kernel": f"forward {label}", "block_v": bv, "num_warps": warps}
             rows.append(measure(row, fwd, fwd_error, 2 * pass_s))
 
@@ -105,27 +106,25 @@ def main() -> None:
         rows.append(measure(row, masked, lambda c=careful: float(c.float().mean()), 2 * pass_s))
         del zz, yy
 
+    # The gradient of KL(pi||ref) w.r.t. z alone; checked against the first configuration's.
     g1 = torch.ones(n, device="cuda")
-    dz = torch.empty_like(z)
-    lse_a, lse_b, kl_ab, kl_ba, ent = (s.contiguous() for s in kl_logits_forward(z, y)[:5])
+    stats = kl_logits_forward(z, y)
     dz_ref = torch.empty_like(z)
-    flags = dict(HAS_G1=True, HAS_G2=False, HAS_G3=False, HAS_G4=False, HAS_G5=False,
-                 NEED_DZ=True, NEED_DY=False, USE_Z=True, USE_Y=True)  # fmt: skip
     for i, (bv, warps) in enumerate(itertools.product(BLOCKS, WARPS)):
 
         def bwd(bv=bv, warps=warps):
-            kern.kl_logits_bwd_kernel[(n, -(-v // bv))](
-                z, y, g1, lse_a, lse_b, kl_ab, kl_ba, ent, g1, g1, g1, g1, g1, dz, dz,
-                z.stride(0), y.stride(0), dz.stride(0), dz.stride(0), v, scale, 1.0,
-                **flags, BLOCK_V=bv, num_warps=warps,
-            )  # fmt: skip
+            last["dz"] = None  # free the previous gradient before the next is allocated
+            last["dz"], _ = kl_logits_backward(
+                z, y, stats, grad_kl_pi_ref=g1, block_v=bv, num_warps=warps
+            )
 
         def bwd_error(first=i == 0):
+            dz = last["dz"]
             if first:
                 dz_ref.copy_(dz)
             return (dz.float() - dz_ref.float()).abs().max().item()
 
-        dz.fill_(float("nan"))
+        last.clear()
         row = {"kernel": "backward KL(pi||ref)", "block_v": bv, "num_warps": warps}
         rows.append(measure(row, bwd, bwd_error, 3 * pass_s))
 

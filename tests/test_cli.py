@@ -9,7 +9,8 @@ import sys
 
 import pytest
 
-from klest.cli import SEQUENCE_VALUE_AUDIT, VALUE_AUDIT, main
+from klest.audit import SEQUENCE_VALUE_AUDIT, VALUE_AUDIT
+from klest.cli import main
 from tests.conftest import Z
 
 

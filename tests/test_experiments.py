@@ -97,9 +97,9 @@ def test_chimera_variance(tmp_path):
         assert rows[d]["k3"]["closed_form"] == pytest.approx(var, rel=1e-9)
         se = math.sqrt(m4 / n - var * var * (n - 3) / (n * (n - 1)))
         assert abs(rows[d]["k3"]["monte_carlo"] - var) <= Z * se, (d, rows[d]["k3"], var, se)
-    # k3 explodes with D, the seed code's inverted ratio much faster.
+    # k3 explodes with D, the essay code's inverted ratio much faster.
     assert rows[1000]["k3"]["monte_carlo"] > 100 * rows[1]["k3"]["monte_carlo"]
-    assert rows[1000]["k3 (seed code)"]["closed_form"] > 100 * rows[1000]["k3"]["closed_form"]
+    assert rows[1000]["k3 (essay code)"]["closed_form"] > 100 * rows[1000]["k3"]["closed_form"]
     # Sticking the landing: the gradient is exactly mu, variance 0 at every D (to rounding).
     assert all(row["chimera + stl"]["monte_carlo"] < 1e-20 for row in r["rows"])
 
@@ -113,7 +113,7 @@ def test_chimera_training(tmp_path):
         assert c[f"1000/{e}"]["exact_kl"][-1] < c[f"1000/{e}"]["initial_kl"]
     # k1's gradient noise does not vanish at the optimum; sticking the landing's does.
     assert c["1000/chimera + stl"]["exact_kl"][-1] < 0.1 * c["1000/chimera"]["exact_kl"][-1]
-    # At D = 10, k3 converges fastest (the seed's low-dimension caveat).
+    # At D = 10, k3 converges fastest (the essay's low-dimension caveat).
     assert c["10/k3"]["exact_kl"][-1] < c["10/chimera"]["exact_kl"][-1]
 
 
@@ -136,7 +136,7 @@ def test_control_variates(tmp_path):
     rows = {row["ref_std"]: row for row in r["rows"]}
     # The fitted coefficient shrinks as the ratio's tails get heavier.
     assert rows[2.5]["alpha_large_sample"] < 0.2 < rows[0.8]["alpha_large_sample"]
-    # Seed 001's in-sample fit is biased; leave-one-out / cross-fitted / EMA are not.
+    # An in-sample fit is biased; leave-one-out / cross-fitted / EMA are not.
     assert rows[1.3]["estimators"]["cv:in-sample"]["significant_bias"]
     for s, row in rows.items():
         if row["var_r_finite"]:

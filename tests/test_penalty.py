@@ -19,44 +19,13 @@ import klest
 from klest.audit import GradSpec, audit_grad, gradient_draws, mean_shift_z
 from klest.penalty import KLGradientWarning
 from klest.testbeds import (
-    CategoricalTestbed,
-    GaussianTestbed,
-    OffPolicyTestbed,
-    ScoreFunctionGaussian,
     TabularAutoregressive,
     make_generator,
 )
 from tests._stats import Z
+from tests._testbeds import make
 
 BOTH = ("pi||ref", "ref||pi")
-
-
-def gaussian():
-    return GaussianTestbed(mean=[0.3, -0.2], log_std=[0.1, -0.15], mean_ref=0.0, log_std_ref=0.0)
-
-
-def tabular(**kw):
-    return TabularAutoregressive.random(3, 3, eos=2, seed=4, scale=0.8, **kw)
-
-
-def make(name: str):
-    if name == "gaussian":
-        return gaussian()
-    if name == "gaussian-sf":
-        return ScoreFunctionGaussian(gaussian())
-    if name == "categorical":
-        return CategoricalTestbed.random(5, seed=2)
-    if name == "tabular":
-        return tabular()
-    if name == "markov":
-        return TabularAutoregressive.random(3, 5, eos=0, markov=True, seed=6, scale=0.7)
-    if name == "off-policy":
-        target = tabular()
-        behavior = TabularAutoregressive(
-            target.logits_ref * 0.7, target.logits_ref, horizon=3, eos=2
-        )
-        return OffPolicyTestbed(target, behavior)
-    raise KeyError(name)
 
 
 UNBIASED = [
@@ -93,11 +62,11 @@ UNBIASED = [
 
 
 @pytest.mark.parametrize(
-    ("name", "spec", "direction"),
+    ("testbed", "spec", "direction"),
     [(n, s, d) for n, s, ds in UNBIASED for d in ds],
+    indirect=["testbed"],
 )
-def test_gradient_is_unbiased_for_the_claimed_kl(name, spec, direction):
-    testbed = make(name)
+def test_gradient_is_unbiased_for_the_claimed_kl(testbed, spec, direction):
     audit = audit_grad(spec, testbed, direction=direction, batch_size=8, n_trials=600, seed=7)
     assert audit.z_target <= Z, audit
     assert audit.z_zero > Z, audit  # and it carries signal
@@ -135,11 +104,6 @@ def test_token_level_equals_autodiff_of_k2_exactly():
     assert torch.allclose(g_token, g_k2, rtol=1e-12, atol=1e-15)
 
 
-def fixed_length_tabular() -> TabularAutoregressive:
-    """No eos: every position is valid in every row, so a group mean always has n terms."""
-    return TabularAutoregressive.random(3, 3, seed=4, scale=0.8)
-
-
 @pytest.mark.parametrize(
     ("grad", "direction", "name"),
     [
@@ -155,7 +119,9 @@ def test_mean_baseline_scales_the_gradient_by_one_minus_one_over_n(grad, directi
     For ``cumulative`` the baseline of position t averages the rows valid at t; with eos that
     count is random, so the factor is exactly 1 - 1/n only on fixed-length sequences.
     """
-    testbed = make("tabular") if name == "tabular" else fixed_length_tabular()
+    # No eos in "fixed-length": every position is valid in every row, so a group mean always
+    # has n terms.
+    testbed = make("tabular" if name == "tabular" else "tabular-fixed-length")
     n = 4
     draws = gradient_draws(
         GradSpec.parse(f"k3/{grad}+mean").build(direction),
@@ -252,7 +218,7 @@ def test_baselines_reduce_gradient_variance_at_high_kl(estimator, baseline):
 
 
 def test_leave_one_out_is_not_free_at_low_kl():
-    """DESIGN.md: a baseline adds the noise of its own estimate. At KL 0.78 (groups of 4) LOO
+    """A baseline adds the noise of its own estimate. At KL 0.78 (groups of 4) LOO
     multiplies cumulative's gradient variance by 1.73 (se 0.05): the lower bound R - Z se(R)
     must be above 1 (Z = 4; see the high-KL test for the standard error)."""
     plain = _squared_deviations("k3/cumulative", False, 4)
@@ -267,29 +233,6 @@ def test_warnings_for_biased_choices():
         klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, grad="token")
     with pytest.warns(KLGradientWarning, match="not an unbiased gradient"):
         klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, grad="autodiff")
-
-
-# -- decouple ---------------------------------------------------------------------------------
-def test_decouple_gives_exactly_the_value_and_exactly_the_surrogate_gradient():
-    g = make_generator(2)
-    a = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(5, generator=g, dtype=torch.float64, requires_grad=True)
-    value = torch.exp(a) * 3.7
-    surrogate = b**3 + a
-    out = klest.decouple(value, surrogate)
-    assert torch.equal(out, value.detach())
-    out.sum().backward()
-    assert torch.equal(a.grad, torch.ones(5, dtype=torch.float64))  # only through the surrogate
-    assert torch.equal(b.grad, 3 * b.detach() ** 2)
-
-
-def test_decouple_errors():
-    with pytest.raises(ValueError, match="value has shape"):
-        klest.decouple(torch.zeros(2), torch.zeros(3))
-    with pytest.raises(ValueError, match="surrogate is not finite"):
-        klest.decouple(torch.zeros(1), torch.tensor([float("inf")]))
-    with pytest.raises(TypeError):
-        klest.decouple(1.0, torch.zeros(1))
 
 
 # -- values, masks, reductions -------------------------------------------------------------------
@@ -510,7 +453,7 @@ def test_bad_input():
         with pytest.raises(ValueError, match="needs per-token values"):
             klest.kl_penalty(lp, lq, mask=m, level="sequence", reduction=reduction)
 
-    g = gaussian().sample(4, generator=make_generator(8))
+    g = make("gaussian").sample(4, generator=make_generator(8))
     rep = {"reparameterized": True}
     with pytest.raises(ValueError, match="needs logp_stl"):
         klest.kl_penalty(g.logp, g.logp_ref, grad="stl", **rep)
@@ -528,7 +471,7 @@ def test_bad_input():
 
 @pytest.mark.parametrize("alpha", [0.5, 2.0])
 def test_autodiff_of_a_control_variate_descends_alpha_times_the_other_kl(alpha):
-    """Seed 002: the regularization strength of an autodiffed control variate is its multiplier."""
+    """Tang & Munos (2025): an autodiffed control variate regularizes with its multiplier."""
     testbed = make("categorical")
     draws = gradient_draws(
         GradSpec.parse(f"cv:{alpha}/autodiff").build("pi||ref"),
@@ -567,7 +510,7 @@ def test_rb_value_is_unbiased(name, direction):
 
 
 def test_rao_blackwellization_can_increase_variance():
-    """DESIGN.md's counterexample to "Var(RB) <= Var(MC)": MC variance 0, RB (log 3)^2 / 4.
+    """A counterexample to "Var(RB) <= Var(MC)": MC variance 0, RB (log 3)^2 / 4.
 
     Tokens a=0, b=1, x=2, z=3, T=2: pi(ax) = pi(bx) = 1/2; ref(ax) = ref(bx) = 1/4, ref(bz) = 1/2.
     """

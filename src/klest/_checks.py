@@ -269,9 +269,11 @@ def check_log_probs(
     *,
     allow_neg_inf: bool,
     role: str = "",
+    density: bool = False,
 ) -> None:
     """Queue the checks of log-probs at the kept positions: no NaN, no +inf, none above 0
-    (beyond rounding), and no -inf unless ``allow_neg_inf`` (``role`` says why it is impossible).
+    (beyond rounding; skipped for the log-densities of continuous samples, ``density``), and no
+    -inf unless ``allow_neg_inf`` (``role`` says why it is impossible).
     """
     if not checks.enabled:
         return
@@ -279,14 +281,16 @@ def check_log_probs(
     k = torch.ones_like(x, dtype=torch.bool) if keep is None else keep
     checks.add(torch.isnan(x) & k, lambda f: f"{name} contains NaN at {first_bad(f)}")
     checks.add((x == math.inf) & k, lambda f: f"{name} contains +inf at {first_bad(f)}")
-    tol = _POSITIVE_LOGP_TOL.get(x.dtype, _POSITIVE_LOGP_TOL_DEFAULT)
-    checks.add(
-        (x > tol) & k,
-        lambda f: (
-            f"{name} has values above 0 at {first_bad(f)}, largest {float(x[k].max()):.4g}: "
-            f"log-probabilities are <= 0. Were these {_what_was_passed(x, k)}"
-        ),
-    )
+    if not density:
+        tol = _POSITIVE_LOGP_TOL.get(x.dtype, _POSITIVE_LOGP_TOL_DEFAULT)
+        checks.add(
+            (x > tol) & k,
+            lambda f: (
+                f"{name} has values above 0 at {first_bad(f)}, largest {float(x[k].max()):.4g}:"
+                f" log-probabilities are <= 0. Were these {_what_was_passed(x, k)} (Log-densities"
+                " of continuous samples may exceed 0: pass density=True.)"
+            ),
+        )
     if not allow_neg_inf:
         checks.add(
             (x == -math.inf) & k,

@@ -12,11 +12,15 @@ applying the estimator to each, and comparing the draws with the exact KL:
 
 A *draw* is whatever the estimator returns per batch: a scalar (the batch estimate) or one
 value per independent row (per-sample estimates; e.g. Schulman's table uses batch_size rows).
+
+:func:`run_audit_suite` is the library's audit plan (what ``klest audit`` prints): every value
+estimator on every testbed, and every gradient estimator on a tabular autoregressive policy.
 """
 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 
@@ -24,8 +28,13 @@ import torch
 from torch import Tensor
 
 from klest._checks import check_choice, check_direction
+from klest._progress import progress_bar
 from klest._types import Estimator
+from klest.control_variates import AlphaEMA
 from klest.estimators import kl_estimate, per_token_values
+from klest.penalty import GRADIENT_ESTIMATORS, KLGradientWarning, kl_penalty
+from klest.surrogates import BaselineEMA
+from klest.testbeds import CategoricalTestbed, GaussianTestbed, TabularAutoregressive
 from klest.testbeds.base import Sample, Testbed, make_generator
 
 EstimateFn = Callable[[Sample], Tensor]
@@ -87,8 +96,6 @@ class EstimatorSpec:
 
     def build(self, direction: str) -> EstimateFn:
         """A function from one batch to its draws: per-row values, or the batch mean if fitted."""
-        from klest.control_variates import AlphaEMA
-
         alpha: object = AlphaEMA() if self.alpha == "ema" else self.alpha
 
         def estimate(sample: Sample) -> Tensor:
@@ -112,6 +119,7 @@ class EstimatorSpec:
             level=self.level,
             reduction="per-sequence",
             group=group,
+            density=sample.density,
         )
 
     def exact_mean(self, testbed: Testbed, direction: str) -> float | None:
@@ -123,7 +131,7 @@ class EstimatorSpec:
             return per_token_values(delta, self.estimator, direction, alpha=self.alpha)
 
         try:
-            if self.level == "sequence" and hasattr(testbed, "sequence_expectation"):
+            if self.level == "sequence":
                 return float(testbed.sequence_expectation(per_token))
             return float(testbed.expectation(per_token))
         except (NotImplementedError, ValueError):
@@ -146,12 +154,8 @@ def _vectorized_draws(
     """Many trials per call: one sample of ``trials x batch`` rows, trials as fitting groups."""
     per_call = max(1, _ROWS_PER_CALL // batch_size)
     blocks = [min(per_call, n_trials - i) for i in range(0, n_trials, per_call)]
-    if progress:
-        from tqdm.auto import tqdm
-
-        blocks = tqdm(blocks, desc=f"audit {spec.label()}", leave=False, disable=None)
     draws = []
-    for trials in blocks:
+    for trials in progress_bar(blocks, desc=f"audit {spec.label()}", leave=False, enabled=progress):
         sample = testbed.sample(trials * batch_size, generator=generator)
         group = None
         if spec.fitted:
@@ -214,11 +218,7 @@ def audit_value(
             spec, testbed, direction, batch_size, n_trials, generator, progress
         )
     else:
-        trials = range(n_trials)
-        if progress:
-            from tqdm.auto import tqdm
-
-            trials = tqdm(trials, desc=f"audit {label}", leave=False, disable=None)
+        trials = progress_bar(range(n_trials), desc=f"audit {label}", leave=False, enabled=progress)
         with torch.no_grad():
             values = torch.cat(
                 [
@@ -286,8 +286,6 @@ class GradSpec:
 
     @classmethod
     def parse(cls, spec: str) -> GradSpec:
-        from klest.penalty import GRADIENT_ESTIMATORS
-
         value_part, sep, grad_part = spec.partition("/")
         if not sep:
             raise ValueError(f"gradient spec {spec!r} must look like 'k3/cumulative[+loo]'")
@@ -308,12 +306,6 @@ class GradSpec:
 
     def build(self, direction: str, **options) -> Callable[[Sample], Tensor]:
         """A function from a batch to the scalar loss whose gradient is audited."""
-        import warnings
-
-        from klest.control_variates import AlphaEMA
-        from klest.penalty import GRADIENT_ESTIMATORS, KLGradientWarning, kl_penalty
-        from klest.surrogates import BaselineEMA
-
         baseline: object = BaselineEMA() if self.baseline == "ema" else self.baseline
         alpha: object = AlphaEMA() if self.alpha == "ema" else self.alpha
 
@@ -327,6 +319,7 @@ class GradSpec:
                     estimator=self.value,
                     reparameterized=sample.reparameterized
                     and GRADIENT_ESTIMATORS[self.grad].samples != "sampled",
+                    density=sample.density,
                     grad=self.grad,
                     baseline=baseline,
                     direction=direction,
@@ -415,11 +408,7 @@ def gradient_draws(
     """One flattened gradient of ``loss_fn`` per independent batch: ``[n_trials, n_params]``."""
     params = testbed.parameters()
     generator = make_generator(seed)
-    trials = range(n_trials)
-    if progress:
-        from tqdm.auto import tqdm
-
-        trials = tqdm(trials, desc=f"audit {label}", leave=False, disable=None)
+    trials = progress_bar(range(n_trials), desc=f"audit {label}", leave=False, enabled=progress)
     return torch.stack(
         [
             _flat_grad(loss_fn(testbed.sample(batch_size, generator=generator)), params)
@@ -510,11 +499,7 @@ def audit_grad(
         for d in ("pi||ref", "ref||pi")
     }
     target = exact[direction]
-    mean = draws.mean(0)
-    bias = mean - target
-    centred = draws - mean
-    variance = float((centred**2).sum(1).mean() * n_trials / (n_trials - 1))
-    mse = float(((draws - target) ** 2).sum(1).mean())
+    mean, bias, variance, mse = _grad_stats(draws, target)
     z = {
         key: mean_shift_z(draws, vec)
         for key, vec in (
@@ -523,28 +508,7 @@ def audit_grad(
             ("zero", torch.zeros_like(target)),
         )
     }
-
-    def cos(a: Tensor, b: Tensor) -> float:
-        denom = float(a.norm() * b.norm())
-        return float(a @ b) / denom if denom > 0 else 0.0
-
-    design = torch.stack([exact["pi||ref"], exact["ref||pi"]], 1)
-    coefs = ses = (None, None)
-    if abs(cos(exact["pi||ref"], exact["ref||pi"])) < 0.99:
-        per_trial = torch.linalg.lstsq(design, draws.T).solution  # [2, n_trials]
-        coefs = tuple(float(c) for c in per_trial.mean(1))
-        ses = tuple(float(s) for s in per_trial.std(1) / math.sqrt(n_trials))
-    ok = {key: value <= z_threshold for key, value in z.items()}
-    if ok["target"] and not ok["other"]:
-        verdict = f"descends KL({direction})"
-    elif ok["other"] and not ok["target"]:
-        verdict = f"descends KL({other}), not KL({direction})"
-    elif ok["target"] and ok["other"]:
-        verdict = "unbiased for both KLs (indistinguishable here)"
-    elif ok["zero"]:
-        verdict = "mean gradient zero"
-    else:
-        verdict = "biased: neither KL"
+    coefs, ses = _regress_on_exact(draws, exact["pi||ref"], exact["ref||pi"])
     return GradAudit(
         estimator=label,
         testbed=testbed.name,
@@ -561,17 +525,68 @@ def audit_grad(
         z_target=z["target"],
         z_other=z["other"],
         z_zero=z["zero"],
-        cos_pi_ref=cos(mean, exact["pi||ref"]),
-        cos_ref_pi=cos(mean, exact["ref||pi"]),
+        cos_pi_ref=_cos(mean, exact["pi||ref"]),
+        cos_ref_pi=_cos(mean, exact["ref||pi"]),
         coef_pi_ref=coefs[0],
         coef_pi_ref_se=ses[0],
         coef_ref_pi=coefs[1],
         coef_ref_pi_se=ses[1],
-        verdict=verdict,
+        verdict=_verdict(z, z_threshold, direction),
         mean_grad=mean.detach(),
         bias=bias.detach(),
         se=(draws.std(0) / math.sqrt(n_trials)).detach(),
     )
+
+
+def _grad_stats(draws: Tensor, target: Tensor) -> tuple[Tensor, Tensor, float, float]:
+    """``(mean, bias, variance, mse)`` of gradient draws ``[n_trials, n_params]`` against the
+    exact ``target``: the mean draw, its difference from ``target``, the trace of one draw's
+    covariance (unbiased) and ``E||g - target||^2``."""
+    n_trials = draws.shape[0]
+    mean = draws.mean(0)
+    bias = mean - target
+    centred = draws - mean
+    variance = float((centred**2).sum(1).mean() * n_trials / (n_trials - 1))
+    mse = float(((draws - target) ** 2).sum(1).mean())
+    return mean, bias, variance, mse
+
+
+def _cos(a: Tensor, b: Tensor) -> float:
+    denom = float(a.norm() * b.norm())
+    return float(a @ b) / denom if denom > 0 else 0.0
+
+
+def _regress_on_exact(
+    draws: Tensor, grad_pi_ref: Tensor, grad_ref_pi: Tensor
+) -> tuple[tuple[float | None, float | None], tuple[float | None, float | None]]:
+    """Least-squares coefficients of each draw on the two exact gradients, averaged over draws,
+    with their standard errors: ``((coef_pi_ref, coef_ref_pi), (se_pi_ref, se_ref_pi))``; all
+    None when the two gradients are nearly parallel (|cos| >= 0.99: the split is unidentified)."""
+    if not abs(_cos(grad_pi_ref, grad_ref_pi)) < 0.99:
+        return (None, None), (None, None)
+    n_trials = draws.shape[0]
+    design = torch.stack([grad_pi_ref, grad_ref_pi], 1)
+    per_trial = torch.linalg.lstsq(design, draws.T).solution  # [2, n_trials]
+    coefs = tuple(float(c) for c in per_trial.mean(1))
+    ses = tuple(float(s) for s in per_trial.std(1) / math.sqrt(n_trials))
+    return (coefs[0], coefs[1]), (ses[0], ses[1])
+
+
+def _verdict(z: dict[str, float], threshold: float, direction: str) -> str:
+    """Which KL the mean gradient follows, from the ``z`` statistics of "the mean gradient is the
+    exact gradient of the claimed KL" (``"target"``), "... of the other KL" (``"other"``) and
+    "... is zero" (``"zero"``); a statistic above ``threshold`` rejects its hypothesis."""
+    other = "ref||pi" if direction == "pi||ref" else "pi||ref"
+    ok = {key: value <= threshold for key, value in z.items()}
+    if ok["target"] and not ok["other"]:
+        return f"descends KL({direction})"
+    if ok["other"] and not ok["target"]:
+        return f"descends KL({other}), not KL({direction})"
+    if ok["target"] and ok["other"]:
+        return "unbiased for both KLs (indistinguishable here)"
+    if ok["zero"]:
+        return "mean gradient zero"
+    return "biased: neither KL"
 
 
 def format_grad_audits(audits: list[GradAudit]) -> str:
@@ -594,3 +609,106 @@ def format_grad_audits(audits: list[GradAudit]) -> str:
         for a in audits
     ]
     return head + "\n".join(rows) + "\n"
+
+
+# -- the audit suite (``klest audit``) ----------------------------------------------------------
+
+# Value estimators the suite checks on every testbed, and (sequence testbeds) at the sequence
+# level: per-token values of KL(ref||pi) summed over a sequence estimate the token sum of
+# E_{y<t ~ pi} KL(ref_t||pi_t), not the sequence KL(ref||pi); level="sequence" is the unbiased
+# option.
+VALUE_AUDIT = ("k1", "k2", "k3", "abs", "cv:0.5", "cv:loo", "cv:ema")
+SEQUENCE_VALUE_AUDIT = ("k1", "k3", "cv:0.5", "cv:loo", "cv:ema")
+
+# Gradient estimators the suite checks on a tabular autoregressive policy: those it audits as
+# claims on either KL, then those it audits for one direction only.
+GRAD_AUDIT_BOTH = (
+    "k1/autodiff",
+    "k3/autodiff",
+    "k3/token",
+    "k3/score",
+    "k3/score+loo",
+    "k3/score+ema",
+    "k3/score+mean",
+    "k3/cumulative",
+    "k3/cumulative+loo",
+    "k3/cumulative+ema",
+    "rb/rb",
+)
+GRAD_AUDIT_ONLY = {
+    "pi||ref": ("k2/autodiff", "rb/rb+loo", "rb/autodiff"),
+    "ref||pi": (),
+}
+GRAD_AUDIT = {direction: GRAD_AUDIT_BOTH + only for direction, only in GRAD_AUDIT_ONLY.items()}
+
+
+def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = False) -> str:
+    """The library's audit plan, as markdown (what ``klest audit`` prints).
+
+    Value estimators (:data:`VALUE_AUDIT`) in both directions on a Gaussian (Schulman's mu = 1),
+    a random categorical and a tabular autoregressive testbed (with
+    :data:`SEQUENCE_VALUE_AUDIT` also at the sequence level there), batches of 16; then the
+    gradient estimators of :data:`GRAD_AUDIT` on a tabular autoregressive policy (V = 3, T = 4,
+    with eos), batches of 8.
+
+    Args:
+      quick: 200 value trials and 300 gradient trials instead of 2000 each.
+      seed: seeds the random testbeds and every audit's sampling.
+      progress: show progress bars (when tqdm is installed).
+
+    Returns:
+      Markdown: a value table, then one gradient table per direction.
+    """
+    testbeds = [
+        GaussianTestbed.schulman(1.0),
+        CategoricalTestbed.random(6, scale=1.0, seed=seed),
+        TabularAutoregressive.random(3, 4, eos=2, seed=seed),
+    ]
+    trials = 200 if quick else 2000
+    audits = []
+    for tb in testbeds:
+        plan = [(spec, "token") for spec in VALUE_AUDIT]
+        if isinstance(tb, TabularAutoregressive):
+            plan += [(spec, "sequence") for spec in SEQUENCE_VALUE_AUDIT]
+        for direction in ("pi||ref", "ref||pi"):
+            for spec, level in plan:
+                audits.append(
+                    audit_value(
+                        spec,
+                        tb,
+                        direction=direction,
+                        level=level,
+                        batch_size=16,
+                        n_trials=trials,
+                        seed=seed,
+                        progress=progress,
+                    )
+                )
+    parts = [
+        "## Value estimators (bias against the exact KL)\n\n",
+        "On sequences, token-level values of KL(ref||pi) are biased (their prefixes come from pi,"
+        " not ref); the `@sequence` rows apply the estimator to the whole-sequence log-ratio.\n\n",
+        format_value_audits(audits) + "\n",
+    ]
+    tabular = TabularAutoregressive.random(3, 4, eos=2, seed=seed, scale=0.7)
+    grad_trials = 300 if quick else 2000
+    for direction, specs in GRAD_AUDIT.items():
+        grads = [
+            audit_grad(
+                spec,
+                tabular,
+                direction=direction,
+                batch_size=8,
+                n_trials=grad_trials,
+                seed=seed,
+                progress=progress,
+            )
+            for spec in specs
+        ]
+        parts.append(
+            f"## Gradient estimators claiming KL({direction}) on a tabular autoregressive "
+            f"policy (V=3, T=4, eos; exact KL {float(tabular.exact_kl(direction).detach()):.3f};"
+            f" batches of 8, {grad_trials} trials)\n\n"
+        )
+        parts.append(format_grad_audits(grads) + "\n")
+    return "".join(parts)

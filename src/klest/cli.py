@@ -4,7 +4,6 @@ klest list
 klest run NAME [--quick] [--out DIR] [--seed N]
 klest audit [--quick] [--seed N]
 klest demo [--quick]
-klest bench {vocab-cpu,vocab-gpu} [--quick] [--out DIR]
 """
 
 from __future__ import annotations
@@ -16,55 +15,20 @@ from pathlib import Path
 # Experiments `klest demo` runs, in order (each must be registered).
 DEMO = ("schulman", "chimera-variance")
 
-# Gradient estimators `klest audit` checks on a tabular autoregressive testbed, per direction.
-GRAD_AUDIT = {
-    "pi||ref": (
-        "k1/autodiff",
-        "k2/autodiff",
-        "k3/autodiff",
-        "k3/token",
-        "k3/score",
-        "k3/score+loo",
-        "k3/score+ema",
-        "k3/score+mean",
-        "k3/cumulative",
-        "k3/cumulative+loo",
-        "k3/cumulative+ema",
-        "rb/rb",
-        "rb/rb+loo",
-        "rb/autodiff",
-    ),
-    "ref||pi": (
-        "k1/autodiff",
-        "k3/autodiff",
-        "k3/token",
-        "k3/score",
-        "k3/score+loo",
-        "k3/score+ema",
-        "k3/score+mean",
-        "k3/cumulative",
-        "k3/cumulative+loo",
-        "k3/cumulative+ema",
-        "rb/rb",
-    ),
-}
-
-# Value estimators `klest audit` checks on every testbed, and (sequence testbeds) at the
-# sequence level: per-token values of KL(ref||pi) summed over a sequence estimate the token
-# sum of E_{y<t ~ pi} KL(ref_t||pi_t), not the sequence KL(ref||pi); level="sequence" is the
-# unbiased option.
-VALUE_AUDIT = ("k1", "k2", "k3", "abs", "cv:0.5", "cv:loo", "cv:ema")
-SEQUENCE_VALUE_AUDIT = ("k1", "k3", "cv:0.5", "cv:loo", "cv:ema")
-
 
 def _run_experiment(name: str, *, quick: bool, seed: int, out: Path | None, progress: bool) -> bool:
     from klest.experiments import RunConfig, registry, write_report
+    from klest.experiments.runner import pyplot
 
     experiments = registry()
     if name not in experiments:
         raise SystemExit(
             f"unknown experiment {name!r}; `klest list` shows: {', '.join(experiments)}"
         )
+    try:
+        pyplot()  # fail before the experiment runs, not after
+    except ImportError as e:
+        raise SystemExit(f"klest run {name}: {e}") from None
     out = out or Path("runs") / name
     report = experiments[name].run(RunConfig(quick=quick, seed=seed, progress=progress))
     paths = write_report(report, out)
@@ -104,67 +68,11 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_audit(args: argparse.Namespace) -> int:
     import torch
 
-    from klest.audit import audit_grad, audit_value, format_grad_audits, format_value_audits
-    from klest.testbeds import CategoricalTestbed, GaussianTestbed, TabularAutoregressive
+    from klest.audit import run_audit_suite
 
     torch.set_num_threads(1)  # many tiny ops: threads only add overhead
-    testbeds = [
-        GaussianTestbed.schulman(1.0),
-        CategoricalTestbed.random(6, scale=1.0, seed=args.seed),
-        TabularAutoregressive.random(3, 4, eos=2, seed=args.seed),
-    ]
-    trials = 200 if args.quick else 2000
-    audits = []
-    for tb in testbeds:
-        plan = [(spec, "token") for spec in VALUE_AUDIT]
-        if isinstance(tb, TabularAutoregressive):
-            plan += [(spec, "sequence") for spec in SEQUENCE_VALUE_AUDIT]
-        for direction in ("pi||ref", "ref||pi"):
-            for spec, level in plan:
-                audits.append(
-                    audit_value(
-                        spec,
-                        tb,
-                        direction=direction,
-                        level=level,
-                        batch_size=16,
-                        n_trials=trials,
-                        seed=args.seed,
-                    )
-                )
-    print("## Value estimators (bias against the exact KL)\n")
-    print(
-        "On sequences, token-level values of KL(ref||pi) are biased (their prefixes come from pi,"
-        " not ref); the `@sequence` rows apply the estimator to the whole-sequence log-ratio.\n"
-    )
-    print(format_value_audits(audits))
-    tabular = TabularAutoregressive.random(3, 4, eos=2, seed=args.seed, scale=0.7)
-    grad_trials = 300 if args.quick else 2000
-    for direction, specs in GRAD_AUDIT.items():
-        grads = [
-            audit_grad(
-                spec,
-                tabular,
-                direction=direction,
-                batch_size=8,
-                n_trials=grad_trials,
-                seed=args.seed,
-            )
-            for spec in specs
-        ]
-        print(
-            f"## Gradient estimators claiming KL({direction}) on a tabular autoregressive "
-            f"policy (V=3, T=4, eos; exact KL {float(tabular.exact_kl(direction).detach()):.3f};"
-            f" batches of 8, {grad_trials} trials)\n"
-        )
-        print(format_grad_audits(grads))
+    print(run_audit_suite(quick=args.quick, seed=args.seed), end="")
     return 0
-
-
-def _cmd_bench(args: argparse.Namespace) -> int:
-    from klest.bench import run
-
-    return run(args.name, quick=args.quick, out=args.out)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.set_defaults(func=_cmd_run)
 
-    p = sub.add_parser("audit", help="audit every built-in value estimator on the testbeds")
+    p = sub.add_parser(
+        "audit",
+        help="audit the built-in value and gradient estimators against exact testbeds",
+    )
     p.add_argument("--quick", action="store_true")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_audit)
@@ -190,12 +101,6 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("demo", help="reproduce the headline seed results and say where plots are")
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=_cmd_demo)
-
-    p = sub.add_parser("bench", help="speed / memory benchmarks of the exact-from-logits paths")
-    p.add_argument("name", choices=("vocab-cpu", "vocab-gpu"))
-    p.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test)")
-    p.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    p.set_defaults(func=_cmd_bench)
 
     args = parser.parse_args(argv)
     return args.func(args)

@@ -113,8 +113,12 @@ def prepare_log_ratios(
     logp_behavior: Tensor | None,
     mask: Tensor | None,
     checks: ValueChecks,
+    density: bool = False,
 ) -> LogRatios:
-    """Check log-probs and mask (value checks queued on ``checks``); per-row log-ratios."""
+    """Check log-probs and mask (value checks queued on ``checks``); per-row log-ratios.
+
+    ``density``: the inputs are log-densities of continuous samples (they may exceed 0).
+    """
     check_float_tensor("logp", logp)
     check_float_tensor("logp_ref", logp_ref)
     if logp_behavior is not None:
@@ -132,8 +136,9 @@ def prepare_log_ratios(
         checks,
         allow_neg_inf=logp_behavior is not None,
         role="a sample pi cannot produce",
+        density=density,
     )
-    check_log_probs("logp_ref", logp_ref, keep, checks, allow_neg_inf=True)
+    check_log_probs("logp_ref", logp_ref, keep, checks, allow_neg_inf=True, density=density)
     if logp_behavior is not None:
         check_log_probs(
             "logp_behavior",
@@ -142,6 +147,7 @@ def prepare_log_ratios(
             checks,
             allow_neg_inf=False,
             role=f"a sample {sampler} cannot produce",
+            density=density,
         )
 
     dtype = compute_dtype(logp, logp_ref, logp_behavior)
@@ -432,6 +438,7 @@ def kl_estimate(
     logp_behavior: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[EstimateDetails]:
@@ -473,6 +480,8 @@ def kl_estimate(
       logp_behavior: log behavior of the samples when they were not drawn from pi.
       logits: for ``"rb"``: pi's next-token logits along the samples, ``logp.shape + (V,)``.
       logits_ref: for ``"rb"``: ref's, same shape.
+      density: the inputs are log-densities of continuous samples (VAEs, VI), which may exceed
+        0; for discrete samples (tokens) a log-prob above 0 is an error.
       validate: run the value checks (NaN, log-probs above 0, ...); None: the global default
         (:func:`klest.set_default_validate`).
       return_details: also return an :class:`EstimateDetails`.
@@ -503,7 +512,9 @@ def kl_estimate(
     if group is not None and not isinstance(alpha, str):
         raise ValueError("group applies only to a fitted alpha ('loo', 'crossfit', 'in-sample')")
     checks = ValueChecks(resolve_validate(validate))
-    lr = prepare_log_ratios(logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks)
+    lr = prepare_log_ratios(
+        logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks, density=density
+    )
     keys = None if group is None else group_keys(check_group(group, logp.shape, logp.device))
     kls = None
     if estimator == "rb":
@@ -538,6 +549,7 @@ def k1(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[EstimateDetails]:
@@ -564,6 +576,7 @@ def k1(
         reduction=reduction,
         level=level,
         logp_behavior=logp_behavior,
+        density=density,
         validate=validate,
         return_details=return_details,
     )
@@ -578,6 +591,7 @@ def k2(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[EstimateDetails]:
@@ -604,6 +618,7 @@ def k2(
         reduction=reduction,
         level=level,
         logp_behavior=logp_behavior,
+        density=density,
         validate=validate,
         return_details=return_details,
     )
@@ -618,6 +633,7 @@ def k3(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[EstimateDetails]:
@@ -647,6 +663,7 @@ def k3(
         reduction=reduction,
         level=level,
         logp_behavior=logp_behavior,
+        density=density,
         validate=validate,
         return_details=return_details,
     )
@@ -661,6 +678,7 @@ def k_abs(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[EstimateDetails]:
@@ -684,6 +702,7 @@ def k_abs(
         reduction=reduction,
         level=level,
         logp_behavior=logp_behavior,
+        density=density,
         validate=validate,
         return_details=return_details,
     )
@@ -700,6 +719,7 @@ def cv(
     level: Level = "token",
     group: Tensor | None = None,
     logp_behavior: Tensor | None = None,
+    density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[EstimateDetails]:
@@ -735,6 +755,7 @@ def cv(
         alpha=alpha,
         group=group,
         logp_behavior=logp_behavior,
+        density=density,
         validate=validate,
         return_details=return_details,
     )
@@ -750,6 +771,7 @@ def f_divergence(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[EstimateDetails]:
@@ -790,7 +812,9 @@ def f_divergence(
     check_choice("reduction", reduction, Reduction)
     check_level(level, reduction)
     checks = ValueChecks(resolve_validate(validate))
-    lr = prepare_log_ratios(logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks)
+    lr = prepare_log_ratios(
+        logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks, density=density
+    )
     lr = at_sequence_level(lr) if level == "sequence" else lr
     if f_prime_at_1 is None:
         one = torch.ones((), dtype=torch.float64, requires_grad=True)

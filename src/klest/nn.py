@@ -56,6 +56,7 @@ class KLPenalty(nn.Module):
         ``"ema"`` (an :class:`~klest.AlphaEMA` submodule) or an ``AlphaEMA``.
       level: ``"token"`` or ``"sequence"`` for the value.
       reparameterized: the samples are reparameterized (``pathwise`` / ``stl``).
+      density: the inputs are log-densities of continuous samples (they may exceed 0).
       beta: the coefficient the KL term is multiplied by.
       validate: as in :func:`klest.kl_penalty`.
 
@@ -80,6 +81,7 @@ class KLPenalty(nn.Module):
         alpha: Alpha | Literal["ema"] | None = None,
         level: Level = "token",
         reparameterized: bool = False,
+        density: bool = False,
         beta: float = 1.0,
         validate: bool | None = None,
     ) -> None:
@@ -91,6 +93,7 @@ class KLPenalty(nn.Module):
         self.reduction = check_choice("reduction", reduction, Reduction)
         self.level = level
         self.reparameterized = reparameterized
+        self.density = density
         self.beta = float(beta)
         self.validate = validate
         # Moving-average states are submodules (their buffers are in state_dict); the other
@@ -135,6 +138,7 @@ class KLPenalty(nn.Module):
             logits=logits,
             logits_ref=logits_ref,
             logp_stl=logp_stl,
+            density=self.density,
             validate=self.validate,
             return_details=return_details,
         )

@@ -390,6 +390,7 @@ def kl_penalty(
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
     logp_stl: Tensor | None = None,
+    density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[PenaltyDetails]:
@@ -439,6 +440,8 @@ def kl_penalty(
       logits_ref: ref's, same shape.
       logp_stl: for ``grad="stl"``: log pi of the samples with pi's distribution parameters
         stopped (x itself still differentiable).
+      density: the inputs are log-densities of continuous samples, which may exceed 0 (implied
+        by ``reparameterized=True``); for tokens a log-prob above 0 is an error.
       validate: run the value checks once for the whole call (None: the global default).
       return_details: also return a :class:`PenaltyDetails`.
 
@@ -478,7 +481,15 @@ def kl_penalty(
         logp_stl=logp_stl,
     )
     checks = ValueChecks(resolve_validate(validate))
-    lr = prepare_log_ratios(logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks)
+    check_flag("density", density)
+    lr = prepare_log_ratios(
+        logp,
+        logp_ref,
+        logp_behavior=logp_behavior,
+        mask=mask,
+        checks=checks,
+        density=density or reparameterized,
+    )
     keys = None if group is None else group_keys(check_group(group, logp.shape, logp.device))
     kls = None
     if "rb" in (estimator, grad):

@@ -458,3 +458,44 @@ def test_labels_alone_never_change_the_return_type():
     out = kl_from_logits(z, y, labels=labels, reduction="none")
     assert isinstance(out, torch.Tensor) and out.shape == (2, 4)
     assert float(out[0, 2]) == 0.0 and float(out[1, 3]) == 0.0
+
+
+# -- precision at realistic vocabularies ---------------------------------------------------------
+
+BACKENDS = ["torch"] + (
+    ["triton"] if HAS_TRITON and (INTERPRET or torch.cuda.is_available()) else []
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("v", [32000, 128256])
+def test_float32_is_as_accurate_as_the_plain_float32_expression(v, backend):
+    """Against float64, per position: klest's float32 KLs and entropy are at least as accurate as
+    ``kl_div(log_softmax(.), log_softmax(.), log_target=True)`` in float32 (its relative error
+    here: 8e-7 at V = 32000, 4e-6 at V = 128256). A 25% margin covers another summation order;
+    measured, the torch backend equals the plain expression and the Triton one is 5-30x better."""
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    z, y = _logits((4, v), torch.float32, 50), _logits((4, v), torch.float32, 51)
+    ref = logits_reference(z, y)
+    for direction, key in KL_KEY.items():
+        a, b = (z, y) if direction == "pi||ref" else (y, z)
+        plain = torch.nn.functional.kl_div(
+            torch.log_softmax(b, -1), torch.log_softmax(a, -1), log_target=True, reduction="none"
+        ).sum(-1)
+        got, details = kl_from_logits(
+            z.to(dev),
+            y.to(dev),
+            direction=direction,
+            reduction="none",
+            backend=backend,
+            return_details=True,
+        )
+
+        def rel(x, want):
+            return float(((x.double().cpu() - want).abs() / want.abs()).max())
+
+        assert rel(got, ref[key]) <= 1.25 * rel(plain, ref[key]), (direction, rel(got, ref[key]))
+        log_q = torch.log_softmax(z, -1)
+        plain_entropy = -(log_q.exp() * log_q).sum(-1)
+        want = ref["entropy"]
+        assert rel(details.entropy, want) <= 1.25 * rel(plain_entropy, want)

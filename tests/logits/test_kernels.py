@@ -276,7 +276,7 @@ def test_invariant_to_a_per_row_shift():
 
 @needs_triton
 def test_large_logit_ranges_do_not_overflow():
-    # |logits| up to ~1e4 (DESIGN.md section 4) and a maximum that grows block after block, so
+    # |logits| up to ~1e4 and a maximum that grows block after block, so
     # the running sums are rescaled by factors that underflow to 0.
     z, y = logits(3, 256, torch.float32, seed=13, scale=2000.0)
     z[0] = torch.linspace(-1e4, 1e4, 256)

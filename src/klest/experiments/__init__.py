@@ -1,4 +1,4 @@
-"""Reproductions of the seeds' experiments, each a command: ``klest run NAME [--quick]``."""
+"""Reproductions of published KL-estimation results: ``klest run NAME [--quick]``."""
 
 from __future__ import annotations
 
@@ -7,14 +7,14 @@ from klest.experiments.runner import Experiment, Report, RunConfig, write_report
 
 def registry() -> dict[str, Experiment]:
     """All experiments by name (imported lazily: plotting libraries load only when needed)."""
-    from klest.experiments import chimera, heavy_tails, mode_seeking, pitfalls, schulman
+    from klest.experiments import chimera, control_variates, mode_seeking, pitfalls, schulman
 
     experiments = [
         schulman.EXPERIMENT,
         chimera.VARIANCE,
         chimera.TRAINING,
         pitfalls.EXPERIMENT,
-        heavy_tails.EXPERIMENT,
+        control_variates.EXPERIMENT,
         mode_seeking.EXPERIMENT,
     ]
     return {e.name: e for e in experiments}

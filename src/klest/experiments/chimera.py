@@ -1,4 +1,7 @@
-r"""The Chimera estimator (seed 000): gradient variance vs dimension, and training curves.
+r"""The Chimera estimator: gradient variance vs dimension, and training curves.
+
+Reproduces "The Chimera Estimator" by Kirato Yoshihara (2026,
+https://kiratoyoshihara.github.io/essays/chimera-kl.html).
 
 pi = N(mu, I) in D dimensions (trainable mu, init 0.05 per coordinate), ref = N(0, I),
 reparameterized samples x = mu + eps, batches of B = 32. Estimators, as value/gradient pairs of
@@ -6,7 +9,7 @@ reparameterized samples x = mu + eps, batches of B = 32. Estimators, as value/gr
 
 - ``k1``: value k1, pathwise gradient (autodiff of k1);
 - ``k3``: value k3 with Schulman's ratio r = ref/pi, autodiff of k3;
-- ``k3 (seed code)``: the seed's code uses r = pi/ref inside k3 (biased value), autodiff;
+- ``k3 (essay code)``: the essay's code uses r = pi/ref inside k3 (biased value), autodiff;
 - ``chimera``: value k3, gradient of k1 (``decouple(k3, k1)``);
 - ``chimera + stl``: value k3, k1's gradient with "sticking the landing" (pi's density
   parameters stopped; x = mu + eps still differentiable). Not in the seed: added because here its
@@ -20,10 +23,10 @@ E[e^{k a.eps} f(eps)] = e^{k^2|a|^2/2} E[f(eps + k a)]:
   Adam then hovers at a noise floor, while k3's noise vanishes as r -> 1);
 - chimera + stl: grad = mu exactly, variance 0;
 - k3: grad = (1 - r)(mu + eps), r = e^{-mu.eps - m^2/2}: (e^{m^2}(1 + mu_d^2) - 1) / B;
-- k3 (seed code): grad = (r' - 1)(mu + eps), r' = 1/r:
+- k3 (essay code): grad = (r' - 1)(mu + eps), r' = 1/r:
   (e^{3m^2}(9 mu_d^2 + 1) - 2 e^{m^2}(4 mu_d^2 + 1) + mu_d^2 + 1 - (2e^{m^2} - 1)^2 mu_d^2) / B.
 
-So the seed's 1e14 at D = 5000 is its inverted ratio (e^{3 m^2}); with Schulman's ratio the
+So the essay's 1e14 at D = 5000 is its inverted ratio (e^{3 m^2}); with Schulman's ratio the
 variance at D = 5000 is ~8e3: still exploding, 18 orders of magnitude less. Monte Carlo with a
 few hundred trials underestimates heavy-tailed variances; both are shown.
 """
@@ -36,19 +39,20 @@ import warnings
 import numpy as np
 import torch
 
+from klest._progress import progress_bar
 from klest.audit import gradient_draws
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.penalty import KLGradientWarning, kl_penalty
 from klest.testbeds import GaussianTestbed, make_generator
 from klest.testbeds.base import Sample
 
 BATCH = 32
 MU0 = 0.05
-ESTIMATORS = ("k1", "k3", "k3 (seed code)", "chimera", "chimera + stl")
+ESTIMATORS = ("k1", "k3", "k3 (essay code)", "chimera", "chimera + stl")
 COLORS = {
     "k1": "tab:red",
     "k3": "tab:green",
-    "k3 (seed code)": "tab:olive",
+    "k3 (essay code)": "tab:olive",
     "chimera": "tab:blue",
     "chimera + stl": "tab:purple",
 }
@@ -60,18 +64,24 @@ def loss(estimator: str, sample: Sample) -> torch.Tensor:
     """The training loss of one estimator on one batch (mean over the batch)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", KLGradientWarning)
+        rep = {"reparameterized": True}
         if estimator == "k1":
-            return kl_penalty(sample.logp, sample.logp_ref, value="k1", grad="pathwise")
+            return kl_penalty(sample.logp, sample.logp_ref, estimator="k1", grad="pathwise", **rep)
         if estimator == "k3":
-            return kl_penalty(sample.logp, sample.logp_ref, value="k3", grad="autodiff")
+            return kl_penalty(sample.logp, sample.logp_ref, estimator="k3", grad="autodiff", **rep)
         if estimator == "chimera":
-            return kl_penalty(sample.logp, sample.logp_ref, value="k3", grad="pathwise")
+            return kl_penalty(sample.logp, sample.logp_ref, estimator="k3", grad="pathwise", **rep)
         if estimator == "chimera + stl":
             return kl_penalty(
-                sample.logp, sample.logp_ref, value="k3", grad="stl", logp_stl=sample.logp_stl
+                sample.logp,
+                sample.logp_ref,
+                estimator="k3",
+                grad="stl",
+                logp_stl=sample.logp_stl,
+                **rep,
             )
-        # The seed's code: r = pi/ref inside k3, i.e. k3 with the arguments swapped.
-        return kl_penalty(sample.logp_ref, sample.logp, value="k3", grad="autodiff")
+        # The essay's code: r = pi/ref inside k3, i.e. k3 with the arguments swapped.
+        return kl_penalty(sample.logp_ref, sample.logp, estimator="k3", grad="autodiff", **rep)
 
 
 def closed_form_variance(estimator: str, dim: int, mu: float = MU0, batch: int = BATCH) -> float:
@@ -123,7 +133,7 @@ def _variance_run(config: RunConfig) -> Report:
     flat = all(abs(r[e]["monte_carlo"] * BATCH - 1) < 0.25 for r in rows for e in ("k1", "chimera"))
     summary = (
         f"k1 and chimera: per-coordinate variance {'flat at 1/B' if flat else 'NOT flat'} "
-        f"(1/B = {1 / BATCH:.4f}); k3 grows like e^(D mu^2), the seed code's k3 like e^(3 D mu^2)."
+        f"(1/B = {1 / BATCH:.4f}); k3 grows like e^(D mu^2), the essay code's k3 like e^(3 D mu^2)."
     )
     return Report(
         results={
@@ -143,10 +153,7 @@ def _variance_run(config: RunConfig) -> Report:
 
 
 def _variance_figure(rows: list[dict]):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     dims = np.array([r["D"] for r in rows])
     grid = np.geomspace(dims.min(), dims.max(), 200)
@@ -188,10 +195,8 @@ def _training_run(config: RunConfig) -> Report:
     steps = 300 if config.quick else 2000
     every = max(1, steps // 100)
     curves = {}
-    from tqdm.auto import tqdm
-
     jobs = [(d, e) for d in dims for e in ESTIMATORS]
-    for dim, e in tqdm(jobs, desc="chimera-training", disable=None if config.progress else True):
+    for dim, e in progress_bar(jobs, desc="chimera-training", enabled=config.progress):
         testbed = GaussianTestbed.chimera(dim, MU0)
         opt = torch.optim.Adam([testbed.mean], lr=0.02)
         gen = make_generator(config.seed)
@@ -237,10 +242,7 @@ def _training_run(config: RunConfig) -> Report:
 
 
 def _training_figure(curves: dict, dims: tuple[int, ...], every: int):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cols = min(3, len(dims))
     rows = math.ceil(len(dims) / cols)
@@ -261,11 +263,11 @@ def _training_figure(curves: dict, dims: tuple[int, ...], every: int):
 
 VARIANCE = Experiment(
     name="chimera-variance",
-    description="Chimera (seed 000): per-coordinate gradient variance vs dimension, closed forms",
+    description="Chimera estimator: per-coordinate gradient variance vs dimension, closed forms",
     run=_variance_run,
 )
 TRAINING = Experiment(
     name="chimera-training",
-    description="Chimera (seed 000): Adam training curves of k1, k3, chimera across dimensions",
+    description="Chimera estimator: Adam training curves of k1, k3, chimera across dimensions",
     run=_training_run,
 )

@@ -1,4 +1,4 @@
-r"""Mode seeking vs mass covering: fit one Gaussian to two modes with each KL direction (seed 001).
+r"""Mode seeking vs mass covering: fit one Gaussian to two modes with each KL direction.
 
 Target ("ref"): 0.5 N(-2, 0.6^2) + 0.5 N(2, 0.6^2). Fitted pi = N(m, s^2), starting at
 N(0.5, 0.5^2), between the modes. Three fits, all through :func:`klest.kl_penalty`:
@@ -12,7 +12,8 @@ N(0.5, 0.5^2), between the modes. Three fits, all through :func:`klest.kl_penalt
   unbiased, but while pi is narrower than ref / sqrt(2) the ratio has infinite variance under pi
   and pi-samples never see the mass pi misses: the fit can collapse instead of covering.
 
-Exact KLs of the fits are computed by numerical integration on a fine grid.
+The target and the exact KLs of the fits (numerical integration on a fine grid) are
+:class:`klest.testbeds.GaussianMixtureTarget`'s.
 """
 
 from __future__ import annotations
@@ -22,49 +23,23 @@ import math
 import numpy as np
 import torch
 
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.penalty import kl_penalty
-from klest.testbeds import make_generator
+from klest.testbeds import GaussianMixtureTarget, make_generator
 from klest.testbeds.gaussian import gaussian_log_density
 
-MODES, MODE_STD = (-2.0, 2.0), 0.6
-FORWARD_OPTIMUM = (0.0, math.sqrt(MODE_STD**2 + 4.0))
+TARGET = GaussianMixtureTarget(means=(-2.0, 2.0), std=0.6)
+FORWARD_OPTIMUM = TARGET.moment_matching
 INIT = (0.5, 0.5)
 FITS = (
     "KL(pi||ref), pi-samples, pathwise",
     "KL(ref||pi), target samples, score",
     "KL(ref||pi), pi-samples, pathwise",
 )
-GRID = torch.linspace(-12.0, 12.0, 24001, dtype=torch.float64)
-
-
-def target_log_density(x: torch.Tensor) -> torch.Tensor:
-    parts = [
-        gaussian_log_density(
-            x.unsqueeze(-1),
-            torch.tensor([m], dtype=x.dtype),
-            torch.tensor([math.log(MODE_STD)], dtype=x.dtype),
-        )
-        for m in MODES
-    ]
-    return torch.logsumexp(torch.stack(parts), 0) - math.log(2.0)
 
 
 def _log_pi(x: torch.Tensor, mean: torch.Tensor, log_std: torch.Tensor) -> torch.Tensor:
     return gaussian_log_density(x.unsqueeze(-1), mean.reshape(1), log_std.reshape(1))
-
-
-def exact_kls(mean: float, std: float) -> dict[str, float]:
-    """KL(pi||ref) and KL(ref||pi) by the trapezoid rule on a fine grid."""
-    lp = _log_pi(
-        GRID,
-        torch.tensor(mean, dtype=torch.float64),
-        torch.tensor(math.log(std), dtype=torch.float64),
-    )
-    lt = target_log_density(GRID)
-    pi_ref = torch.trapezoid(lp.exp() * (lp - lt), GRID)
-    ref_pi = torch.trapezoid(lt.exp() * (lt - lp), GRID)
-    return {"pi||ref": float(pi_ref), "ref||pi": float(ref_pi)}
 
 
 def _fit(kind: str, steps: int, batch: int, seed: int) -> dict:
@@ -76,34 +51,32 @@ def _fit(kind: str, steps: int, batch: int, seed: int) -> dict:
     for _ in range(steps):
         opt.zero_grad()
         if kind == FITS[1]:
-            # Samples from the target: one of the two modes, then Gaussian noise.
-            which = torch.randint(0, 2, (batch,), generator=gen)
-            x = torch.tensor(MODES, dtype=torch.float64)[which] + MODE_STD * torch.randn(
-                batch, generator=gen, dtype=torch.float64
-            )
-            log_t = target_log_density(x)
+            x = TARGET.sample(batch, generator=gen)
+            log_t = TARGET.log_density(x)
             loss = kl_penalty(
                 _log_pi(x, mean, log_std),
                 log_t,
-                value="k1",
+                estimator="k1",
                 grad="score",
                 direction="ref||pi",
                 logp_behavior=log_t,
+                density=True,
             )
         else:
             x = mean + log_std.exp() * torch.randn(batch, generator=gen, dtype=torch.float64)
             direction = "pi||ref" if kind == FITS[0] else "ref||pi"
             loss = kl_penalty(
                 _log_pi(x, mean, log_std),
-                target_log_density(x),
-                value="k3",
+                TARGET.log_density(x),
+                estimator="k3",
                 grad="pathwise",
                 direction=direction,
+                reparameterized=True,
             )
         loss.backward()
         opt.step()
         path.append((float(mean.detach()), float(log_std.detach().exp())))
-    return {"path": path, "final": path[-1], "exact_kl": exact_kls(*path[-1])}
+    return {"path": path, "final": path[-1], "exact_kl": TARGET.exact_kls(*path[-1])}
 
 
 def run(config: RunConfig) -> Report:
@@ -120,18 +93,18 @@ def run(config: RunConfig) -> Report:
             f"| {kind} | {m:+.3f} | {s:.3f} | {f['exact_kl']['pi||ref']:.4f} | "
             f"{f['exact_kl']['ref||pi']:.4f} |"
         )
-    opt_kl = exact_kls(*FORWARD_OPTIMUM)
+    opt_kl = TARGET.exact_kls(*FORWARD_OPTIMUM)
     lines.append(
         f"| optimum of KL(ref‖pi) (moment matching) | {FORWARD_OPTIMUM[0]:+.3f} | "
         f"{FORWARD_OPTIMUM[1]:.3f} | {opt_kl['pi||ref']:.4f} | {opt_kl['ref||pi']:.4f} |"
     )
-    one_mode = exact_kls(MODES[1], MODE_STD)
+    one_mode = TARGET.exact_kls(TARGET.means[1], TARGET.std)
     lines.append(
-        f"| one mode exactly, N(2, 0.6²) | {MODES[1]:+.3f} | {MODE_STD:.3f} | "
+        f"| one mode exactly, N(2, 0.6²) | {TARGET.means[1]:+.3f} | {TARGET.std:.3f} | "
         f"{one_mode['pi||ref']:.4f} | {one_mode['ref||pi']:.4f} |"
     )
     m_rev, s_rev = fits[FITS[0]]["final"]
-    seeks = abs(abs(m_rev) - 2.0) < 0.3 and s_rev < 1.0
+    seeks = abs(abs(m_rev) - TARGET.means[1]) < 0.3 and s_rev < 1.0
     m_fwd, s_fwd = fits[FITS[1]]["final"]
     covers = abs(m_fwd) < 0.3 and abs(s_fwd - FORWARD_OPTIMUM[1]) < 0.3
     m_is, s_is = fits[FITS[2]]["final"]
@@ -154,8 +127,8 @@ def run(config: RunConfig) -> Report:
             "seed": config.seed,
             "steps": steps,
             "batch": batch,
-            "modes": MODES,
-            "mode_std": MODE_STD,
+            "modes": TARGET.means,
+            "mode_std": TARGET.std,
             "fits": fits,
             "forward_optimum": FORWARD_OPTIMUM,
             "init": INIT,
@@ -170,14 +143,11 @@ def run(config: RunConfig) -> Report:
 
 
 def _figure(fits: dict):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     x = torch.linspace(-6, 6, 1201, dtype=torch.float64)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    axes[0].fill_between(x, target_log_density(x).exp(), color="0.85", label="target (ref)")
+    axes[0].fill_between(x, TARGET.log_density(x).exp(), color="0.85", label="target (ref)")
     init = _log_pi(
         x,
         torch.tensor(INIT[0], dtype=torch.float64),
@@ -206,6 +176,6 @@ def _figure(fits: dict):
 
 EXPERIMENT = Experiment(
     name="mode-seeking",
-    description="Seed 001: fit a Gaussian to two modes with KL(pi||ref) and KL(ref||pi)",
+    description="Mode seeking vs mass covering: one Gaussian fit to two modes with either KL",
     run=run,
 )

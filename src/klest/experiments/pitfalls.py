@@ -1,9 +1,10 @@
-r"""Gradient pitfalls of KL estimators on tabular autoregressive policies (seed 002).
+r"""Gradient pitfalls of KL estimators on tabular autoregressive policies.
 
-Seed 002 ("On a few pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477)
-claims: autodiff of k1 has mean-zero gradient; autodiff of the variance-reduced k3 descends the
-other KL; token-level losses miss the effect of early tokens on later ones; the sequence-level
-("cumulative") gradient with leave-one-out baselines is right. On random tabular policies with
+"On a few pitfalls in KL divergence gradient estimation for RL" by Yunhao Tang and Rémi Munos
+(2025, https://arxiv.org/abs/2506.09477) claims: autodiff of k1 has mean-zero gradient; autodiff
+of the variance-reduced k3 descends the other KL; token-level losses miss the effect of early
+tokens on later ones; the sequence-level ("cumulative") gradient with leave-one-out baselines is
+right. On random tabular policies with
 exact gradients (V = 3, T = 4, every sequence enumerable), three parts:
 
 A. bias and MSE of each gradient estimator against the exact gradient of KL(pi||ref), as a
@@ -22,8 +23,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from klest._progress import progress_bar
 from klest.audit import GradSpec, audit_grad
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.testbeds import TabularAutoregressive, make_generator
 
 VOCAB, HORIZON = 3, 4
@@ -197,10 +199,7 @@ def _tables(a: dict, b: dict, c: dict) -> str:
 
 
 def _figures(a: dict, b: dict, c: dict) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     cmap = plt.get_cmap("tab10")
     colors = {e: cmap(i % 10) for i, e in enumerate((*ESTIMATORS, "exact gradient"))}
@@ -253,14 +252,12 @@ def _figures(a: dict, b: dict, c: dict) -> dict:
 
 
 def run(config: RunConfig) -> Report:
-    from tqdm.auto import tqdm
-
     torch.set_num_threads(1)  # thousands of tiny ops: threads only add overhead
     sizes = 3 if config.quick else 6
     policies = 1 if config.quick else 2
     seeds = 1 if config.quick else 3
     total = len(REGIMES) * policies * len(ESTIMATORS) * sizes + 2 * seeds * (len(TRAINERS) + 1)
-    with tqdm(total=total, desc="pitfalls", disable=None if config.progress else True) as bar:
+    with progress_bar(total=total, desc="pitfalls", enabled=config.progress) as bar:
         a = _part_a(config, bar)
         b = _part_bc(config, bar, with_reward=False)
         c = _part_bc(config, bar, with_reward=True)
@@ -290,6 +287,6 @@ def run(config: RunConfig) -> Report:
 
 EXPERIMENT = Experiment(
     name="pitfalls",
-    description="Seed 002: gradient bias/MSE vs samples, KL minimization and reward-KL curves",
+    description="KL gradient pitfalls: bias/MSE vs samples, KL minimization and reward-KL curves",
     run=run,
 )

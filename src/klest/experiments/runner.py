@@ -3,6 +3,9 @@
 An experiment is a thin function ``run(config) -> Report`` that calls the library and plots; it
 holds no estimator logic. ``write_report`` puts ``result.json`` (all numbers), ``table.md`` and
 one PNG per figure in the output directory.
+
+Plotting needs matplotlib, an optional dependency (the ``klest[experiments]`` extra): it is
+imported only through :func:`pyplot`, which says how to install it when it is missing.
 """
 
 from __future__ import annotations
@@ -12,7 +15,13 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
+
+MISSING_MATPLOTLIB = (
+    "the experiments plot with matplotlib, which is not installed; install the experiments' "
+    "dependencies with: pip install 'klest[experiments]'"
+)
 
 
 @dataclass(frozen=True)
@@ -43,6 +52,22 @@ class Experiment:
     run: Callable[[RunConfig], Report]
 
 
+def pyplot() -> ModuleType:
+    """``matplotlib.pyplot`` on the non-interactive Agg backend (figures go to files).
+
+    Raises:
+      ImportError: matplotlib is not installed (the message names the extra to install).
+    """
+    try:
+        import matplotlib
+    except ImportError as e:
+        raise ImportError(MISSING_MATPLOTLIB) from e
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def _jsonable(x: Any) -> Any:
     if isinstance(x, dict):
         return {str(k): _jsonable(v) for k, v in x.items()}
@@ -65,8 +90,8 @@ def write_report(report: Report, out: Path) -> list[Path]:
         path = out / f"{name}.png"
         fig.savefig(path, dpi=120, bbox_inches="tight")
         paths.append(path)
-    import matplotlib.pyplot as plt
-
-    for fig in report.figures.values():
-        plt.close(fig)
+    if report.figures:
+        plt = pyplot()
+        for fig in report.figures.values():
+            plt.close(fig)
     return paths

@@ -24,7 +24,7 @@ import torch
 
 from klest.audit import audit_value
 from klest.estimators import kl_estimate
-from klest.experiments.runner import Experiment, Report, RunConfig
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.testbeds import GaussianTestbed, make_generator
 
 ESTIMATORS = ("k1", "k2", "k3")
@@ -129,10 +129,7 @@ def _sweep(mus: np.ndarray, n: int, seed: int) -> dict:
 
 @torch.no_grad()
 def _figures(settings: list[dict], mus: np.ndarray, sweep: dict, seed: int) -> dict:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     colors = {"k1": "tab:red", "k2": "tab:blue", "k3": "tab:green"}
     grid = np.geomspace(mus[0], mus[-1], 200)
@@ -167,7 +164,9 @@ def _figures(settings: list[dict], mus: np.ndarray, sweep: dict, seed: int) -> d
         testbed = GaussianTestbed.schulman(s["mu"])
         sample = testbed.sample(200_000, generator=make_generator(seed))
         for e in ESTIMATORS:
-            v = kl_estimate(sample.logp, sample.logp_ref, estimator=e).numpy()
+            v = kl_estimate(
+                sample.logp, sample.logp_ref, estimator=e, reduction="none", density=True
+            ).numpy()
             lo, hi = np.quantile(v, [0.001, 0.995])
             ax.hist(
                 v,

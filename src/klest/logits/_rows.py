@@ -18,7 +18,7 @@ The two primitives behind every exact-from-logits path of klest
       \partial/\partial y = \tfrac{1}{\tau}\big[g_1 (p - q)
           - g_2\, p\odot(d + KL(p\|q)) + g_5 (e_l - p)\big]
 
-  for upstream gradients :math:`g_1..g_5` of the five outputs (DESIGN.md section 3).
+  for upstream gradients :math:`g_1..g_5` of the five outputs.
 
 The PyTorch path walks row chunks (``log_softmax`` in float32 on each), so no more than a few
 chunk-sized buffers exist at once; rows with ``-inf`` entries (a masked vocabulary) go through a
@@ -103,11 +103,6 @@ def _scaled(x: Tensor, inv_tau: float, dtype: torch.dtype) -> Tensor:
     if inv_tau == 1.0:
         return x.to(dtype)
     return torch.mul(x.to(dtype), inv_tau) if x.dtype != dtype else torch.mul(x, inv_tau)
-
-
-def _rowdot(u: Tensor, w: Tensor) -> Tensor:
-    """``sum_v u[r, v] w[r, v]`` per row without a ``[rows, V]`` temporary."""
-    return torch.bmm(u.unsqueeze(1), w.unsqueeze(2)).view(-1)
 
 
 def _lse(a: Tensor, la: Tensor) -> Tensor:
@@ -195,16 +190,21 @@ def _chunk_stats(
     p = lb.exp() if want.p else None
     zeros = torch.zeros_like(lse_a)
     ent = zeros
-    if want.entropy:
-        ent = -(_plogq(q, la) if masked else _rowdot(q, la))
     if masked:
+        if want.entropy:
+            ent = -_plogq(q, la)
         d = torch.where((q > 0) | (lb > float("-inf")), la - lb, 0.0)
         kl_ab = _plogq(q, d)
         kl_ba = -_plogq(lb.exp(), d) if want.kl_ba else zeros
     else:
-        d = torch.sub(la, lb, out=lb)  # in lb's buffer
-        kl_ab = _rowdot(q, d)
-        kl_ba = -_rowdot(p, d) if want.kl_ba else zeros
+        # d in lb's buffer; then la's buffer holds each product before its row sum. A summed
+        # product (a cascade sum) is as accurate as the plain fp32 expression; a bmm dot product
+        # was 40x less accurate at V = 32000 (3e-5 relative against 8e-7).
+        d = torch.sub(la, lb, out=lb)
+        if want.entropy:
+            ent = -torch.mul(q, la, out=la).sum(-1)
+        kl_ab = torch.mul(q, d, out=la).sum(-1)
+        kl_ba = -torch.mul(p, d, out=la).sum(-1) if want.kl_ba else zeros
     stats = KLRowStats(
         lse_z=lse_a,
         lse_y=lse_b,

@@ -1,24 +1,31 @@
 """Exact testbeds: distribution pairs whose KLs and KL gradients are known exactly.
 
+Every testbed is a :class:`Testbed`; those that draw raw samples and score them separately are
+:class:`SampledTestbed` s.
+
 - :class:`GaussianTestbed`: diagonal Gaussians, analytic KL and gradient, reparameterized samples.
 - :class:`CategoricalTestbed`: one categorical distribution, exact by summation.
 - :class:`TabularAutoregressive`: autoregressive policies over sequences, exact by enumeration
   or (Markov policies) dynamic programming.
 - :class:`OffPolicyTestbed`: samples from a behavior policy, answers of a target pair.
 - :class:`ScoreFunctionGaussian`: Gaussians with non-reparameterized samples.
+- :class:`GaussianMixtureTarget`: a fixed 1-D Gaussian mixture, KLs to a Gaussian by quadrature.
 """
 
 from klest.testbeds.autoregressive import TabularAutoregressive
-from klest.testbeds.base import Sample, Testbed, make_generator
+from klest.testbeds.base import Sample, SampledTestbed, Testbed, make_generator
 from klest.testbeds.categorical import CategoricalTestbed
 from klest.testbeds.gaussian import GaussianTestbed
+from klest.testbeds.mixture import GaussianMixtureTarget
 from klest.testbeds.wrappers import OffPolicyTestbed, ScoreFunctionGaussian
 
 __all__ = [
     "CategoricalTestbed",
+    "GaussianMixtureTarget",
     "GaussianTestbed",
     "OffPolicyTestbed",
     "Sample",
+    "SampledTestbed",
     "ScoreFunctionGaussian",
     "TabularAutoregressive",
     "Testbed",

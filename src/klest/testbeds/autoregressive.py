@@ -17,7 +17,7 @@ Two parameterizations:
   ``[T, V + 1, V]`` (state ``V`` is the start); exact values by dynamic programming over the
   last-token marginal, O(T V^2), so T can be large.
 
-Exact gradients are autodiff of these exact computations. Used by seed 002's experiments
+Exact gradients are autodiff of these exact computations. Used by the gradient-pitfalls experiments
 ("On a few pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477).
 """
 
@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from klest._checks import check_direction
-from klest.testbeds.base import Sample, Testbed
+from klest.testbeds.base import Sample, SampledTestbed
 
 _MAX_ENUMERATED = 2_000_000
 
@@ -39,7 +39,7 @@ def _identity(x: Tensor) -> Tensor:
     return x
 
 
-class TabularAutoregressive(Testbed):
+class TabularAutoregressive(SampledTestbed):
     """pi (trainable table of logits) against ref (fixed table), exact by enumeration or DP.
 
     Args:
@@ -134,6 +134,20 @@ class TabularAutoregressive(Testbed):
             z = table[rows]
         return torch.log_softmax(z, dim=-1)
 
+    def log_probs(self, tokens: Tensor, *, ref: bool = False) -> Tensor:
+        """Per-token log-probabilities ``log pi(y_t | y_<t)`` (or ref's) along ``tokens``.
+
+        Args:
+          tokens: token ids ``[n, T]``.
+          ref: ref's log-probabilities instead of pi's.
+
+        Returns:
+          ``[n, T]``; pi's carry the graph to :meth:`parameters`. Positions after an ``eos`` are
+          scored too: mask them with :attr:`Sample.mask` (what :meth:`evaluate` returns).
+        """
+        table = self.logits_ref if ref else self.logits
+        return self._next_logprobs(table, tokens).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
     def _valid(self, tokens: Tensor) -> Tensor | None:
         """True up to and including the first ``eos`` of each row (None without eos)."""
         if self.eos is None:
@@ -169,9 +183,6 @@ class TabularAutoregressive(Testbed):
             logits=log_pi,
             logits_ref=log_ref,
         )
-
-    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
-        return self.evaluate(self.draw(n, generator=generator))
 
     # -- exact computations ----------------------------------------------------------------
     def all_sequences(self) -> tuple[Tensor, Tensor | None]:

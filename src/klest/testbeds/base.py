@@ -1,4 +1,10 @@
-"""The interface every exact testbed implements, and the batch of samples it returns."""
+"""The interface every exact testbed implements, and the batch of samples it returns.
+
+:class:`Testbed` is the interface; :class:`SampledTestbed` is a testbed whose sampling splits in
+two, drawing raw samples from pi (:meth:`~SampledTestbed.draw`) and scoring given samples
+(:meth:`~SampledTestbed.evaluate`), so samples drawn from one testbed can be scored by another
+(:class:`~klest.testbeds.OffPolicyTestbed`).
+"""
 
 from __future__ import annotations
 
@@ -31,6 +37,8 @@ class Sample:
         (reparameterized testbeds): the "sticking the landing" surrogate.
       logp_behavior: log behavior of the samples when they were drawn from a behavior
         distribution rather than pi (:class:`~klest.testbeds.OffPolicyTestbed`).
+      density: True when ``logp`` / ``logp_ref`` are log-densities of continuous samples
+        (which may exceed 0), False for log-probabilities of discrete ones.
     """
 
     logp: Tensor
@@ -42,6 +50,7 @@ class Sample:
     logits_ref: Tensor | None = None
     logp_stl: Tensor | None = None
     logp_behavior: Tensor | None = None
+    density: bool = False
 
 
 class Testbed(ABC):
@@ -79,6 +88,37 @@ class Testbed(ABC):
         can enumerate or integrate it; others raise NotImplementedError.
         """
         raise NotImplementedError(f"{type(self).__name__} cannot compute exact expectations")
+
+    def sequence_expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """Exact ``E_{y~pi}[fn(sum_t delta_t)]``: ``fn`` of the whole sample's log-ratio.
+
+        The exact mean of an estimator applied with ``level="sequence"``. For testbeds whose
+        samples are single points it equals :meth:`expectation`; testbeds that cannot compute it
+        raise NotImplementedError.
+        """
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot compute exact sequence-level expectations"
+        )
+
+
+class SampledTestbed(Testbed):
+    """A testbed that samples in two steps: :meth:`draw` raw samples, then :meth:`evaluate` them.
+
+    ``evaluate`` scores any samples of the right kind, not only the testbed's own, which is what
+    off-policy sampling needs (:class:`~klest.testbeds.OffPolicyTestbed`).
+    """
+
+    @abstractmethod
+    def draw(self, n: int, *, generator: torch.Generator) -> Tensor:
+        """``n`` raw samples from pi (outcome indices, token sequences...), without graph."""
+
+    @abstractmethod
+    def evaluate(self, x: Tensor) -> Sample:
+        """The :class:`Sample` of given raw samples ``x``: log pi (with graph), log ref, ..."""
+
+    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
+        """``evaluate(draw(n))``."""
+        return self.evaluate(self.draw(n, generator=generator))
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:

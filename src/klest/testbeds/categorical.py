@@ -16,10 +16,10 @@ from torch import Tensor
 
 from klest._checks import check_direction
 from klest.logits.reference import categorical_kl
-from klest.testbeds.base import Sample, Testbed
+from klest.testbeds.base import Sample, SampledTestbed
 
 
-class CategoricalTestbed(Testbed):
+class CategoricalTestbed(SampledTestbed):
     """pi = softmax(logits) against ref = softmax(logits_ref), both ``[K]``.
 
     Samples are outcome indices; ``Sample.logits`` holds pi's full log-probs ``[n, K]`` (one
@@ -82,11 +82,12 @@ class CategoricalTestbed(Testbed):
             logits_ref=log_p.expand(n, -1),
         )
 
-    def sample(self, n: int, *, generator: torch.Generator) -> Sample:
-        return self.evaluate(self.draw(n, generator=generator))
-
     def expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
         with torch.no_grad():
             log_q = torch.log_softmax(self.logits, -1)
             log_p = torch.log_softmax(self.logits_ref, -1)
             return (log_q.exp() * fn(log_q - log_p)).sum()
+
+    def sequence_expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """:meth:`expectation`: a sample is one outcome, a sequence of one token."""
+        return self.expectation(fn)

@@ -87,7 +87,7 @@ class GaussianTestbed(Testbed):
 
     @classmethod
     def chimera(cls, dim: int, mu: float = 0.05, **kwargs) -> GaussianTestbed:
-        """The Chimera seed's setting: pi = N(mu 1, I) in D dims, ref = N(0, I)."""
+        """The Chimera essay's setting: pi = N(mu 1, I) in D dims, ref = N(0, I)."""
         return cls(mean=mu, mean_ref=0.0, dim=dim, **kwargs)
 
     def parameters(self) -> list[Tensor]:
@@ -124,6 +124,7 @@ class GaussianTestbed(Testbed):
             logp_ref=gaussian_log_density(x, self.mean_ref, self.log_std_ref),
             x=x,
             reparameterized=reparameterize,
+            density=True,
             logp_stl=gaussian_log_density(x, self.mean.detach(), self.log_std.detach())
             if reparameterize
             else None,
@@ -154,3 +155,7 @@ class GaussianTestbed(Testbed):
         z = torch.as_tensor(z, dtype=torch.float64)
         w = torch.as_tensor(w / math.sqrt(2 * math.pi), dtype=torch.float64)
         return (w * fn(m + s * z)).sum()
+
+    def sequence_expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        """:meth:`expectation`: a sample is one point, whose log-ratio sums its dimensions."""
+        return self.expectation(fn)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from klest.testbeds.base import Sample, Testbed
+from klest.testbeds.base import Sample, SampledTestbed, Testbed
 from klest.testbeds.gaussian import GaussianTestbed
 
 
@@ -16,14 +16,17 @@ class OffPolicyTestbed(Testbed):
 
     The exact KLs and gradients are ``target``'s; each :class:`Sample` carries
     ``logp_behavior`` so estimators can importance-weight. ``target`` and ``behavior`` are
-    testbeds of the same kind (categorical, or autoregressive with the same V, T and eos) with
-    ``draw`` / ``evaluate`` methods; only ``behavior``'s pi is used.
+    :class:`SampledTestbed` s of the same kind (categorical, or autoregressive with the same V, T
+    and eos); only ``behavior``'s pi is used.
     """
 
-    def __init__(self, target: Testbed, behavior: Testbed) -> None:
+    def __init__(self, target: SampledTestbed, behavior: SampledTestbed) -> None:
         for tb in (target, behavior):
-            if not (hasattr(tb, "draw") and hasattr(tb, "evaluate")):
-                raise TypeError(f"{type(tb).__name__} cannot draw and evaluate samples")
+            if not isinstance(tb, SampledTestbed):
+                raise TypeError(
+                    f"{type(tb).__name__} cannot draw and evaluate samples (it is not a "
+                    "SampledTestbed)"
+                )
         self.target = target
         self.behavior = behavior
         self.name = f"{target.name} (off-policy)"
@@ -70,3 +73,6 @@ class ScoreFunctionGaussian(Testbed):
 
     def expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
         return self.gaussian.expectation(fn)
+
+    def sequence_expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        return self.gaussian.sequence_expectation(fn)

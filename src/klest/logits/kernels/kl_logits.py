@@ -21,7 +21,7 @@ gradients in the inputs' dtypes:
     \partial/\partial y = \tfrac{1}{\tau}\big[g_1 (p - q)
         + g_2\, p\odot(\log p - \log q - KL(ref\|\pi)) + g_5 (e_l - p)\big],
 
-with upstream gradients :math:`g_1..g_5` of the five per-row outputs (DESIGN.md section 3).
+with upstream gradients :math:`g_1..g_5` of the five per-row outputs.
 
 This module imports without triton; :func:`triton_available` says whether the kernels can run
 (triton importable, and CUDA present or ``TRITON_INTERPRET=1``, which runs them on CPU tensors).
@@ -58,7 +58,7 @@ _KERNEL_WHAT = (
 )
 _MIN_BLOCK_V = 16
 _MAX_BLOCK_V = 65536
-# Default vocabulary block, with _num_warps(1024) = 4 warps: 8 elements per thread per tensor.
+# Default vocabulary block, with _num_warps(None, 1024) = 4 warps: 8 elements per thread per tensor.
 # Measured on an H200 (benchmarks/gpu_tune.py, N=16384, V=128256 bf16): the backward runs at 94-95%
 # of its 3-pass roofline for blocks 1024-4096 with 2-8 warps; the forward is fastest at 1024 with
 # 4 warps (benchmarks/README.md has the numbers).
@@ -142,9 +142,19 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _num_warps(block_v: int) -> int:
-    # About 8 elements per thread per tensor (one 16-byte load of bf16), 1 to 16 warps.
-    return max(1, min(16, block_v // 256))
+def _num_warps(num_warps: object, block_v: int) -> int:
+    """The given power of two in [1, 32], else about 8 elements per thread per tensor (one
+    16-byte load of bf16): ``block_v / 256`` warps, 1 to 16."""
+    if num_warps is None:
+        return max(1, min(16, block_v // 256))
+    if (
+        isinstance(num_warps, bool)
+        or not isinstance(num_warps, int)
+        or not 1 <= num_warps <= 32
+        or num_warps & (num_warps - 1)
+    ):
+        raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps!r}")
+    return num_warps
 
 
 def kl_logits_forward(
@@ -157,6 +167,7 @@ def kl_logits_forward(
     want_kl_ref_pi: bool = True,
     want_entropy: bool = True,
     block_v: int | None = None,
+    num_warps: int | None = None,
     careful_rows: Tensor | None = None,
 ) -> KLRowStats:
     r"""Both KLs, pi's entropy, the log-normalizers and label log-probs, in one pass.
@@ -188,6 +199,8 @@ def kl_logits_forward(
         not wanted costs nothing and is returned as 0 (the log-normalizers and label log-probs
         are always computed).
       block_v: vocabulary block (power of two, >= 16); default ``min(1024, next_pow2(V))``.
+      num_warps: warps per row's program (power of two, 1 to 32); default ``block_v / 256``
+        clipped to [1, 16] (for launch sweeps such as ``benchmarks/gpu_tune.py``).
       careful_rows: optional int32 ``[N]`` tensor on ``z``'s device, filled with the loop that
         gave each row: 0 the fast loop, 1 its re-read with ``-inf`` clamped, 2 the careful loop
         (for tests and benchmarks).
@@ -204,6 +217,7 @@ def kl_logits_forward(
     n, v = z.shape
     labels = _check_labels(labels, n, z.device)
     bv = _block_v(block_v, v)
+    warps = _num_warps(num_warps, bv)
     if careful_rows is not None and not (
         isinstance(careful_rows, Tensor)
         and careful_rows.dtype == torch.int32
@@ -236,7 +250,7 @@ def kl_logits_forward(
             WANT_BA=bool(want_kl_ref_pi),
             WANT_ENT=bool(want_entropy),
             BLOCK_V=bv,
-            num_warps=_num_warps(bv),
+            num_warps=warps,
         )
     return KLRowStats(*out.unbind(0))
 
@@ -256,6 +270,7 @@ def kl_logits_backward(
     need_grad_z: bool = True,
     need_grad_y: bool = False,
     block_v: int | None = None,
+    num_warps: int | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     r"""Gradients of :math:`\sum_n [g_1 KL(\pi\|ref) + g_2 KL(ref\|\pi) + g_3 H + g_4 \log q_l +
     g_5 \log p_l]_n` with respect to ``z`` and ``y``.
@@ -282,6 +297,7 @@ def kl_logits_backward(
         row gives an undefined (possibly inf / NaN) gradient, as the gradient does not exist.
       need_grad_z, need_grad_y: which gradients to compute.
       block_v: vocabulary block of the backward grid (power of two, >= 16).
+      num_warps: warps per program, as in :func:`kl_logits_forward`.
 
     Returns:
       ``(dz, dy)``: contiguous ``[N, V]`` tensors in ``z``'s and ``y``'s dtypes (zeros where no
@@ -293,6 +309,7 @@ def kl_logits_backward(
     dev = z.device
     labels = _check_labels(labels, n, dev)
     bv = _block_v(block_v, v)
+    warps = _num_warps(num_warps, bv)
     if not isinstance(stats, tuple) or len(stats) != len(KLRowStats._fields):
         raise TypeError("stats must be the KLRowStats returned by kl_logits_forward")
     stats = KLRowStats(*stats)
@@ -359,7 +376,7 @@ def kl_logits_backward(
             USE_Z=run_dz or (run_dy and both_sides),
             USE_Y=run_dy or (run_dz and both_sides),
             BLOCK_V=bv,
-            num_warps=_num_warps(bv),
+            num_warps=warps,
         )
     if need_grad_z and dz is None:
         dz = torch.zeros_like(z, memory_format=torch.contiguous_format)

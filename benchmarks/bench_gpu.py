@@ -1,4 +1,9 @@
-"""GPU benchmark of the exact-from-logits paths (``klest bench vocab-gpu``; CUDA only).
+"""GPU benchmark of the exact-from-logits paths (CUDA only; JSON out).
+
+    python benchmarks/bench_gpu.py [--quick] [--out DIR]
+
+Writes ``benchmarks/results/vocab-gpu.json`` (or ``DIR/vocab-gpu.json``) and prints a table.
+``--quick``: N=2048, V=32000, H=1024.
 
 N=16384 positions, V=128256 (Llama 3's vocabulary), bf16 logits. Every number is measured in the
 same run: the copy bandwidth (``dst.copy_(src)`` of a 4 GiB tensor: bytes read + written per
@@ -17,41 +22,17 @@ and gradients, against one ``[N, V]`` bf16 logits tensor.
 
 from __future__ import annotations
 
-import statistics
+import sys
 from collections.abc import Callable
 
+import torch
+import torch.nn.functional as F  # noqa: N812
 
-def time_cuda(fn: Callable[[], object], *, warmup: int = 3, reps: int = 10) -> float:
-    """Median seconds of ``fn()`` over ``reps`` runs after ``warmup``, timed by CUDA events."""
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
-def copy_bandwidth() -> float:
-    """Bytes read + written per second by a 4 GiB device-to-device copy (the roofline's rate)."""
-    import torch
-
-    src = torch.empty(2**31, dtype=torch.bfloat16, device="cuda").normal_()
-    dst = torch.empty_like(src)
-    seconds = time_cuda(lambda: dst.copy_(src))
-    return 2 * src.numel() * src.element_size() / seconds
+import klest
+from _common import copy_bandwidth, parser, time_cuda, write_report
 
 
 def _peak_added(fn: Callable[[], object]) -> int:
-    import torch
-
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
@@ -62,13 +43,8 @@ def _peak_added(fn: Callable[[], object]) -> int:
 
 def bench_vocab_gpu(*, quick: bool) -> dict:
     """Forward and forward + backward times against the roofline; fused-linear peak memory."""
-    import torch
-    import torch.nn.functional as F  # noqa: N812
-
-    import klest
-
     if not torch.cuda.is_available():
-        raise SystemExit("klest bench vocab-gpu needs a CUDA device")
+        raise SystemExit("benchmarks/bench_gpu.py needs a CUDA device")
     n, v, h_dim = (2048, 32000, 1024) if quick else (16384, 128256, 4096)
     g = torch.Generator(device="cuda").manual_seed(0)
     z = torch.randn(n, v, device="cuda", dtype=torch.bfloat16, generator=g) * 2
@@ -86,8 +62,10 @@ def bench_vocab_gpu(*, quick: bool) -> dict:
 
     compiled = torch.compile(naive)
     methods: dict[str, Callable] = {
-        "klest pi||ref": lambda zz, yy: klest.kl_from_logits(zz, yy),
-        "klest ref||pi": lambda zz, yy: klest.kl_from_logits(zz, yy, direction="ref||pi"),
+        "klest pi||ref": lambda zz, yy: klest.kl_from_logits(zz, yy, reduction="none"),
+        "klest ref||pi": lambda zz, yy: klest.kl_from_logits(
+            zz, yy, direction="ref||pi", reduction="none"
+        ),
         "eager ref||pi": naive,
         "compile ref||pi": compiled,
     }
@@ -199,3 +177,14 @@ def format_vocab_gpu(report: dict) -> str:
         f"gradients {f['gradient_bytes'] / 2**30:.2f} GiB"
     )
     return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser(__doc__).parse_args(argv)
+    report = bench_vocab_gpu(quick=args.quick)
+    write_report("vocab-gpu", report, format_vocab_gpu(report), args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

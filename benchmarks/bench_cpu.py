@@ -1,25 +1,24 @@
-"""Speed and memory benchmarks of the exact-from-logits paths (``klest bench``; JSON out).
+"""CPU speed and memory benchmark of the exact-from-logits path (JSON out).
 
-Never timed tests: these write numbers, ratios against a baseline measured in the same run.
+    python benchmarks/bench_cpu.py [--quick] [--out DIR]
 
-``vocab-cpu``: N tokens x V vocabulary, float32, forward + backward of the per-position exact
-KL(pi||ref) summed, on the CPU. Each method runs in a fresh subprocess so its peak resident memory
-(``ru_maxrss``) is its own; the memory reported is the peak minus the resident size once the
-inputs exist, minus the returned gradient (``N V`` floats): what the method adds. Times are the
-median of repeated steps after the first. Two allocator settings: glibc's default, which returns
-large freed blocks to the kernel so every step faults fresh pages in (on this VM a single step can
-then vary by up to 10x), and a cached heap (``MALLOC_MMAP_MAX_=0``, as jemalloc / tcmalloc behave).
-Methods:
+Never a timed test: this writes numbers, ratios against a baseline measured in the same run, to
+``benchmarks/results/vocab-cpu.json`` (or ``DIR/vocab-cpu.json``) and prints a table.
+``--quick``: N=256, V=4096 only (a smoke test).
+
+N tokens x V vocabulary, float32, forward + backward of the per-position exact KL(pi||ref) summed,
+on the CPU. Each method runs in a fresh subprocess (this script with ``--child``) so its peak
+resident memory (``ru_maxrss``) is its own; the memory reported is the peak minus the resident
+size once the inputs exist, minus the returned gradient (``N V`` floats): what the method adds.
+Times are the median of repeated steps after the first. Two allocator settings: glibc's default,
+which returns large freed blocks to the kernel so every step faults fresh pages in (on this VM a
+single step can then vary by up to 10x), and a cached heap (``MALLOC_MMAP_MAX_=0``, as jemalloc /
+tcmalloc behave). Methods:
 
 * ``naive``: ``F.kl_div(log_softmax(y), log_softmax(z), log_target=True)`` under autograd, the
   expression people write (the baseline);
 * ``klest``: :func:`klest.kl_from_logits` (gradient stashed in the forward pass);
 * ``klest-recompute``: the same with ``stash=False`` (backward recomputes the softmaxes).
-
-``vocab-gpu`` (CUDA only): N=16384, V=128256, bf16; forward and forward + backward of the Triton
-path against the HBM roofline (2 reads of the logits forward, 5 passes forward + backward, at the
-copy bandwidth measured in the same run), torch eager, torch.compile and, when it imports,
-Liger-Kernel's KL loss with the log_softmax it needs; and the fused-linear path's peak memory.
 """
 
 from __future__ import annotations
@@ -34,6 +33,12 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+import torch.nn.functional as F  # noqa: N812
+
+import klest
+from _common import parser, write_report
+
 CPU_METHODS = ("naive", "klest", "klest-recompute")
 
 
@@ -43,29 +48,21 @@ def _rss_bytes() -> int:
 
 
 def _cpu_step(method: str):
-    import torch
-    import torch.nn.functional as F  # noqa: N812
-
-    import klest
-
     def step(z, y):
         if method == "naive":
             kl = F.kl_div(
                 F.log_softmax(y, -1), F.log_softmax(z, -1), log_target=True, reduction="none"
             ).sum(-1)
         else:
-            kl = klest.kl_from_logits(z, y, stash=method == "klest")
+            kl = klest.kl_from_logits(z, y, stash=method == "klest", reduction="none")
         kl.sum().backward()
         return kl.detach()
 
-    del torch
     return step
 
 
 def _cpu_child(method: str, n: int, v: int, reps: int, threads: int) -> dict:
     """Runs in its own process: peak memory of one step, then the median time of ``reps``."""
-    import torch
-
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)
     z = (torch.randn(n, v, generator=g) * 2).requires_grad_()
@@ -102,7 +99,7 @@ ALLOCATORS = {
 
 
 def _spawn(args: list[str], env: dict[str, str]) -> dict:
-    cmd = [sys.executable, "-m", "klest.bench", "--child", *args]
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--child", *args]
     done = subprocess.run(
         cmd, capture_output=True, text=True, check=False, env={**os.environ, **env}
     )
@@ -158,8 +155,6 @@ def bench_vocab_cpu(
 
 
 def _machine(threads: int) -> dict:
-    import torch
-
     return {
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -191,32 +186,21 @@ def format_vocab_cpu(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv and argv[0] == "--child":
-        method, n, v, reps, threads = argv[1:6]
+    ap = parser(__doc__)
+    ap.add_argument(
+        "--child",
+        nargs=5,
+        metavar=("METHOD", "N", "V", "REPS", "THREADS"),
+        help="internal: run one method in this process and print its JSON",
+    )
+    args = ap.parse_args(argv)
+    if args.child:
+        method, n, v, reps, threads = args.child
         print(json.dumps(_cpu_child(method, int(n), int(v), int(reps), int(threads))))
         return 0
-    raise SystemExit("use `klest bench`")
-
-
-def run(name: str, *, quick: bool, out: Path) -> int:
-    """Run one benchmark, print its table, write ``out/NAME.json``."""
-    out.mkdir(parents=True, exist_ok=True)
-    if name == "vocab-cpu":
-        sizes = [(256, 4096)] if quick else [(4096, 32768), (4096, 131072)]
-        report = bench_vocab_cpu(sizes=sizes, reps=2 if quick else 5, threads=2)
-        table = format_vocab_cpu(report)
-    elif name == "vocab-gpu":
-        from klest.bench_gpu import bench_vocab_gpu, format_vocab_gpu
-
-        report = bench_vocab_gpu(quick=quick)
-        table = format_vocab_gpu(report)
-    else:
-        raise SystemExit(f"unknown benchmark {name!r}; choose vocab-cpu or vocab-gpu")
-    path = out / f"{name}.json"
-    path.write_text(json.dumps(report, indent=2))
-    print(table)
-    print(f"\nwrote {path}")
+    sizes = [(256, 4096)] if args.quick else [(4096, 32768), (4096, 131072)]
+    report = bench_vocab_cpu(sizes=sizes, reps=2 if args.quick else 5, threads=2)
+    write_report("vocab-cpu", report, format_vocab_cpu(report), args.out)
     return 0
 
 

@@ -1,0 +1,97 @@
+"""The nn.Module forms equal the functions they wrap, and their state is checkpointed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import klest
+from klest.nn import KLFromHidden, KLFromLogits, KLPenalty
+from klest.testbeds import make_generator
+from tests._testbeds import make
+
+
+def test_kl_penalty_module_equals_the_function_times_beta():
+    s = make("tabular").sample(6, generator=make_generator(1))
+    group = torch.tensor([0, 0, 0, 1, 1, 1])
+    module = KLPenalty(estimator="k3", grad="cumulative", baseline="loo", beta=0.25)
+    got = module(s.logp, s.logp_ref, mask=s.mask, group=group)
+    want = 0.25 * klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, baseline="loo", group=group)
+    torch.testing.assert_close(got, want)
+    value, details = module(s.logp, s.logp_ref, mask=s.mask, group=group, return_details=True)
+    torch.testing.assert_close(value, want)
+    assert isinstance(details, klest.PenaltyDetails)
+
+
+def test_kl_penalty_module_keeps_its_moving_averages_across_a_checkpoint():
+    testbed = make("tabular")
+    batches = [testbed.sample(8, generator=make_generator(s)) for s in range(4)]
+    module = KLPenalty(baseline="ema", alpha="ema", estimator="cv", baseline_decay=0.5)
+    for b in batches[:3]:
+        module(b.logp, b.logp_ref, mask=b.mask)
+    state = module.state_dict()
+    assert set(state) == {
+        "baseline_ema.sums",
+        "baseline_ema.weights",
+        "alpha_ema.moments",
+        "alpha_ema.weight",
+    }
+    resumed = KLPenalty(baseline="ema", alpha="ema", estimator="cv", baseline_decay=0.5)
+    resumed.load_state_dict(state)
+    last = batches[3]
+    params = testbed.parameters()
+    (g_module,) = torch.autograd.grad(
+        module(last.logp, last.logp_ref, mask=last.mask), params, retain_graph=True
+    )
+    (g_resumed,) = torch.autograd.grad(
+        resumed(last.logp, last.logp_ref, mask=last.mask), params, retain_graph=True
+    )
+    torch.testing.assert_close(g_resumed, g_module, rtol=0, atol=0)
+    fresh = KLPenalty(baseline="ema", alpha="ema", estimator="cv", baseline_decay=0.5)
+    (g_fresh,) = torch.autograd.grad(fresh(last.logp, last.logp_ref, mask=last.mask), params)
+    assert not torch.allclose(g_fresh, g_module)  # a restart would change the gradient
+
+
+def test_kl_penalty_module_rejects_bad_names_at_construction():
+    with pytest.raises(ValueError, match="unknown grad"):
+        KLPenalty(grad="reinforce")
+    with pytest.raises(ValueError, match="unknown direction"):
+        KLPenalty(direction="forward")
+
+
+def test_kl_from_logits_module_equals_the_function():
+    g = make_generator(2)
+    z = torch.randn(2, 4, 9, generator=g, requires_grad=True)
+    y = torch.randn(2, 4, 9, generator=g)
+    labels = torch.randint(0, 9, (2, 4), generator=g)
+    module = KLFromLogits(direction="ref||pi", reduction="token-mean", temperature=0.8)
+    got = module(z, y, labels=labels)
+    want = klest.kl_from_logits(
+        z, y, direction="ref||pi", reduction="token-mean", temperature=0.8, labels=labels
+    )
+    torch.testing.assert_close(got, want)
+    assert list(module.parameters()) == [] and module.state_dict() == {}
+
+
+def test_kl_from_hidden_module_holds_the_heads_by_reference():
+    g = make_generator(3)
+    head, ref_head = torch.nn.Linear(5, 11), torch.nn.Linear(5, 11)
+    h, h_ref = torch.randn(3, 2, 5, generator=g), torch.randn(3, 2, 5, generator=g)
+    module = KLFromHidden(head, ref_head, reduction="sum")
+    got = module(h, h_ref)
+    want = klest.kl_from_logits(head(h), ref_head(h_ref), reduction="sum")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    got.backward()
+    assert head.weight.grad is not None and head.bias.grad is not None
+    assert list(module.parameters()) == [] and module.state_dict() == {}
+    logits_ref = torch.randn(3, 2, 11, generator=g)
+    torch.testing.assert_close(
+        KLFromHidden(head)(h, logits_ref=logits_ref),
+        klest.kl_from_logits(head(h), logits_ref),
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    with pytest.raises(ValueError, match="needs a ref_head"):
+        KLFromHidden(head)(h, h_ref)
+    with pytest.raises(TypeError, match=r"lm_head must be an nn\.Linear"):
+        KLFromHidden(torch.nn.Embedding(3, 4))

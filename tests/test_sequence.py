@@ -1,0 +1,47 @@
+"""Sums from each token on, prefix weights and first-token alignment, against Python loops."""
+
+from __future__ import annotations
+
+import torch
+
+from klest.sequence import (
+    align_left,
+    first_token,
+    prefix_weights,
+    sum_after,
+    sum_from_here,
+    unalign,
+)
+from klest.testbeds import make_generator
+
+
+def test_suffix_sums_match_loops():
+    x = torch.randn(3, 5, generator=make_generator(1), dtype=torch.float64)
+    for i in range(3):
+        for t in range(5):
+            assert abs(float(sum_from_here(x)[i, t]) - float(x[i, t:].sum())) <= 1e-14
+            assert abs(float(sum_after(x)[i, t]) - float(x[i, t + 1 :].sum())) <= 1e-14
+
+
+def test_prefix_weights_are_products_of_the_weights_so_far():
+    log_w = torch.randn(2, 4, generator=make_generator(2), dtype=torch.float64)
+    incl, excl = prefix_weights(log_w, inclusive=True), prefix_weights(log_w, inclusive=False)
+    for i in range(2):
+        for t in range(4):
+            assert abs(float(incl[i, t]) - float(log_w[i, : t + 1].exp().prod())) <= 1e-12
+            assert abs(float(excl[i, t]) - float(log_w[i, :t].exp().prod())) <= 1e-12
+    assert prefix_weights(None, inclusive=True) == 1.0
+    assert not prefix_weights(log_w.requires_grad_(), inclusive=True).requires_grad
+
+
+def test_alignment_at_the_first_valid_token_round_trips():
+    valid = torch.tensor(
+        [[0, 0, 1, 1, 1], [1, 1, 1, 0, 0], [0, 0, 0, 0, 0], [0, 1, 0, 1, 1]], dtype=torch.bool
+    )
+    x = torch.arange(20, dtype=torch.float64).reshape(4, 5) + 1
+    assert first_token(valid).tolist() == [2, 0, 0, 1]
+    aligned, aligned_valid = align_left(x, valid)
+    assert aligned.tolist()[0] == [3, 4, 5, 0, 0] and aligned.tolist()[1] == [6, 7, 8, 0, 0]
+    assert aligned.tolist()[3] == [17, 0, 19, 20, 0]  # a hole stays a hole
+    assert aligned_valid.sum(-1).tolist() == valid.sum(-1).tolist()
+    assert torch.equal(unalign(aligned, valid), torch.where(valid, x, 0.0))
