@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.klest-installed
 
-.PHONY: demo test lint clean
+.PHONY: demo test lint docs docs-figures clean
 
 # torch is pinned to the CPU wheel present on these machines; a looser pin pulls CUDA packages.
 $(STAMP): pyproject.toml
@@ -18,10 +18,24 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q
+	$(MAKE) docs
+
+# The documentation site, warnings as errors; docs/_build/html/index.html. Runs no experiment.
+docs: $(STAMP)
+	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+
+# The experiments' figures in docs/_static/experiments/: the full-size runs (minutes each), under
+# runs/NAME, then scaled down for the repository. Not part of `make test`.
+EXPERIMENTS := schulman chimera-variance chimera-training pitfalls control-variates mode-seeking
+docs-figures: $(STAMP)
+	for name in $(EXPERIMENTS); do \
+		$(VENV)/bin/klest run $$name --no-progress --out runs/$$name || exit 1; \
+	done
+	$(PY) docs/figures.py runs
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/ruff format --check src tests benchmarks
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache docs/_build

@@ -9,15 +9,15 @@ Reductions, the same in :func:`klest.kl_estimate`, :func:`klest.kl_penalty`,
 :func:`klest.kl_from_logits` and every other function that takes per-token input (the first
 five names are verl's):
 
-========================  ====================================================================
-``"seq-mean-token-sum"``  mean over sequences of each sequence's token sum: the sequence-level
-                          KL (the default everywhere)
-``"token-mean"``          sum over valid tokens / number of valid tokens
-``"seq-mean-token-mean"`` mean over sequences of each sequence's token mean
-``"sum"``                 sum over valid tokens
-``"per-sequence"``        each sequence's token sum, shape ``[...]`` (``[N]`` for 1-D input)
-``"none"``                per-token values, shape ``[..., T]``, 0 at masked positions
-========================  ====================================================================
+=========================  ====================================================================
+``"seq-mean-token-sum"``   mean over sequences of each sequence's token sum: the sequence-level
+                           KL (the default everywhere)
+``"token-mean"``           sum over valid tokens / number of valid tokens
+``"seq-mean-token-mean"``  mean over sequences of each sequence's token mean
+``"sum"``                  sum over valid tokens
+``"per-sequence"``         each sequence's token sum, shape ``[...]`` (``[N]`` for 1-D input)
+``"none"``                 per-token values, shape ``[..., T]``, 0 at masked positions
+=========================  ====================================================================
 
 Trainer batches: a row with no valid token (all padding, a truncated completion that a trainer
 masks out, labels all ``ignore_index``) contributes nothing: 0 under ``"none"`` and

@@ -19,8 +19,8 @@ Gradient estimators (``grad=``; the table ``GRADIENT_ESTIMATORS`` holds each one
                landing"; drops a zero-mean term)
 ``score``      KL(pi||ref): :math:`W (\sum_t s_t)(\sum_u \rho_u - b)`;      grad of the KL
                KL(ref||pi): :math:`-W (\sum_t s_t)(R - b)`
-``cumulative`` KL(pi||ref): :math:`\sum_t s_t (\sum_{u\ge t} W_{\le u}\rho_u  grad of the KL
-               - W_{\le t} b_t)`; KL(ref||pi): :math:`-\sum_t s_t
+``cumulative`` KL(pi||ref): :math:`\sum_t s_t (\sum_{u\ge t} W_{\le u}          grad of the KL
+               \rho_u - W_{\le t} b_t)`; KL(ref||pi): :math:`-\sum_t s_t
                W_{\le t}(R_{\le t} - b_t)`
 ``rb``         KL(pi||ref): :math:`\sum_n W_{<n}\nabla KL_n + \sum_m s_m     grad of the KL
                (\sum_{n>m} W_{<n} KL_n - W_{\le m} b_m)`; KL(ref||pi):
