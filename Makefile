@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.klest-installed
 
-.PHONY: demo test lint docs docs-figures clean
+.PHONY: demo test test-gpu lint docs docs-figures clean
 
 # torch is pinned to the CPU wheel present on these machines; a looser pin pulls CUDA packages.
 $(STAMP): pyproject.toml
@@ -16,9 +16,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(VENV)/bin/klest demo
 
+# Lint, the tests (doctests included; Triton kernels through the CPU interpreter), the docs.
 test: $(STAMP)
+	$(MAKE) lint
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q
 	$(MAKE) docs
+
+# On a CUDA machine: the kernel, logits and fused-linear tests with the real Triton kernels.
+test-gpu: $(STAMP)
+	$(PY) -m pytest -q tests/logits
 
 # The documentation site, warnings as errors; docs/_build/html/index.html. Runs no experiment.
 docs: $(STAMP)
@@ -33,9 +39,10 @@ docs-figures: $(STAMP)
 	done
 	$(PY) docs/figures.py runs
 
+LINTED := src tests benchmarks docs/conf.py docs/figures.py conftest.py
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests benchmarks
-	$(VENV)/bin/ruff format --check src tests benchmarks
+	$(VENV)/bin/ruff check $(LINTED)
+	$(VENV)/bin/ruff format --check $(LINTED)
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache docs/_build

@@ -80,10 +80,11 @@ FUNCTIONS = [
 
 @pytest.mark.parametrize(("modname", "name"), FUNCTIONS, ids=[f"{m}.{n}" for m, n in FUNCTIONS])
 def test_public_function_states_its_math_or_its_arguments(modname: str, name: str) -> None:
-    """A public function's docstring has a ``.. math::`` block, a ``:math:`` role or an ``Args:``
-    section: it says what it computes, or what it takes."""
+    """A public function's docstring has a ``.. math::`` block, a ``:math:`` role, or an ``Args:``
+    (``Returns:`` for a function without arguments) section: it says what it computes, or what
+    it takes and gives."""
     doc = _docstring(modname, name) or ""
-    assert re.search(r"\.\. math::|:math:`|^\s*Args:\s*$", doc, re.MULTILINE), (
+    assert re.search(r"\.\. math::|:math:`|^\s*(Args|Returns):\s*$", doc, re.MULTILINE), (
         f"{modname}.{name}: its docstring has neither math nor an Args: section"
     )
 

@@ -33,7 +33,17 @@ def set_default_validate(value: bool) -> None:
     """Turn klest's value checks on (the default) or off for calls that pass ``validate=None``.
 
     Off, a call makes no host synchronisation for checks: bad input (NaN log-probs, say) gives
-    NaN results instead of an error. Structural checks (shapes, dtypes, names) always run.
+    NaN results instead of an error. Structural checks (shapes, dtypes, names) always run. The
+    switch is global, as ``torch.distributions.Distribution.set_default_validate_args``.
+
+    Args:
+      value: True to run the value checks by default, False to skip them.
+
+    Example:
+      >>> klest.set_default_validate(False)
+      >>> klest.get_default_validate()
+      False
+      >>> klest.set_default_validate(True)
     """
     global _default_validate
     if not isinstance(value, bool):
@@ -42,7 +52,11 @@ def set_default_validate(value: bool) -> None:
 
 
 def get_default_validate() -> bool:
-    """Whether calls with ``validate=None`` run the value checks (:func:`set_default_validate`)."""
+    """Whether calls with ``validate=None`` run the value checks (:func:`set_default_validate`).
+
+    Returns:
+      The global default, True unless :func:`set_default_validate` turned it off.
+    """
     return _default_validate
 
 

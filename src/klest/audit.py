@@ -475,7 +475,9 @@ def audit_grad(
         :class:`~klest.testbeds.Sample` to a scalar loss.
       testbed: the exact testbed.
       direction: the KL the estimator claims to descend.
-      batch_size, n_trials, seed: sampling plan.
+      batch_size: samples per batch (one gradient draw per batch).
+      n_trials: number of independent batches.
+      seed: seed of the sampling generator.
       z_threshold: a statistic above this rejects the corresponding hypothesis.
       progress: show a progress bar.
       name: label for a function estimator.
@@ -645,11 +647,10 @@ GRAD_AUDIT = {direction: GRAD_AUDIT_BOTH + only for direction, only in GRAD_AUDI
 def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = False) -> str:
     """The library's audit plan, as markdown (what ``klest audit`` prints).
 
-    Value estimators (:data:`VALUE_AUDIT`) in both directions on a Gaussian (Schulman's mu = 1),
-    a random categorical and a tabular autoregressive testbed (with
-    :data:`SEQUENCE_VALUE_AUDIT` also at the sequence level there), batches of 16; then the
-    gradient estimators of :data:`GRAD_AUDIT` on a tabular autoregressive policy (V = 3, T = 4,
-    with eos), batches of 8.
+    Value estimators (``VALUE_AUDIT``) in both directions on a Gaussian (Schulman's mu = 1),
+    a random categorical and a tabular autoregressive testbed (with ``SEQUENCE_VALUE_AUDIT`` also
+    at the sequence level there), batches of 16; then the gradient estimators of ``GRAD_AUDIT``
+    on a tabular autoregressive policy (V = 3, T = 4, with eos), batches of 8.
 
     Args:
       quick: 200 value trials and 300 gradient trials instead of 2000 each.

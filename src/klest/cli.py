@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=_cmd_audit)
 
-    p = sub.add_parser("demo", help="reproduce the headline seed results and say where plots are")
+    p = sub.add_parser(
+        "demo", help="reproduce Schulman's table and the Chimera variance figure, write plots"
+    )
     p.add_argument("--quick", action="store_true")
     p.set_defaults(func=_cmd_demo)
 

@@ -12,7 +12,7 @@ reparameterized samples x = mu + eps, batches of B = 32. Estimators, as value/gr
 - ``k3 (essay code)``: the essay's code uses r = pi/ref inside k3 (biased value), autodiff;
 - ``chimera``: value k3, gradient of k1 (``decouple(k3, k1)``);
 - ``chimera + stl``: value k3, k1's gradient with "sticking the landing" (pi's density
-  parameters stopped; x = mu + eps still differentiable). Not in the seed: added because here its
+  parameters stopped; x = mu + eps still differentiable). Not in the essay: added because here its
   gradient is exactly mu, with zero variance at every D.
 
 Closed forms of the per-coordinate variance of the batch gradient w.r.t. mu_d (with
@@ -27,8 +27,9 @@ E[e^{k a.eps} f(eps)] = e^{k^2|a|^2/2} E[f(eps + k a)]:
   (e^{3m^2}(9 mu_d^2 + 1) - 2 e^{m^2}(4 mu_d^2 + 1) + mu_d^2 + 1 - (2e^{m^2} - 1)^2 mu_d^2) / B.
 
 So the essay's 1e14 at D = 5000 is its inverted ratio (e^{3 m^2}); with Schulman's ratio the
-variance at D = 5000 is ~8e3: still exploding, 18 orders of magnitude less. Monte Carlo with a
-few hundred trials underestimates heavy-tailed variances; both are shown.
+variance at D = 5000 is ~8e3: still exploding, about 11 orders of magnitude less (6e14 against
+8e3). Monte Carlo with a few hundred trials underestimates heavy-tailed variances; both are
+shown.
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Exact testbeds: distribution pairs whose KLs and KL gradients are known exactly.
 
-Every testbed is a :class:`Testbed`; those that draw raw samples and score them separately are
-:class:`SampledTestbed` s.
+Every testbed is a :class:`Testbed`; those that draw raw samples and score them separately
+derive from :class:`SampledTestbed`.
 
 - :class:`GaussianTestbed`: diagonal Gaussians, analytic KL and gradient, reparameterized samples.
 - :class:`CategoricalTestbed`: one categorical distribution, exact by summation.

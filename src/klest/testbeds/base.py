@@ -122,7 +122,15 @@ class SampledTestbed(Testbed):
 
 
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
-    """A seeded ``torch.Generator``: every klest experiment and test draws through one."""
+    """A seeded ``torch.Generator``: every klest experiment and test draws through one.
+
+    Args:
+      seed: the seed.
+      device: the generator's device.
+
+    Returns:
+      A ``torch.Generator`` seeded with ``seed``.
+    """
     g = torch.Generator(device=device)
     g.manual_seed(seed)
     return g

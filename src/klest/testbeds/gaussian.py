@@ -42,8 +42,10 @@ class GaussianTestbed(Testbed):
     """pi = N(mean, diag(exp(log_std)^2)) (trainable) against a fixed diagonal Gaussian ref.
 
     Args:
-      mean, log_std: pi's initial parameters, ``[D]`` (scalars broadcast to ``dim``).
-      mean_ref, log_std_ref: ref's parameters, ``[D]``.
+      mean: pi's initial mean, ``[D]`` (a scalar broadcasts to ``dim``).
+      log_std: pi's initial log standard deviation, ``[D]``.
+      mean_ref: ref's mean, ``[D]``.
+      log_std_ref: ref's log standard deviation, ``[D]``.
       dim: D, when every argument is a scalar.
       dtype: float dtype of parameters and samples (float64 by default: exact tests).
     """

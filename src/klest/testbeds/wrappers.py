@@ -16,8 +16,8 @@ class OffPolicyTestbed(Testbed):
 
     The exact KLs and gradients are ``target``'s; each :class:`Sample` carries
     ``logp_behavior`` so estimators can importance-weight. ``target`` and ``behavior`` are
-    :class:`SampledTestbed` s of the same kind (categorical, or autoregressive with the same V, T
-    and eos); only ``behavior``'s pi is used.
+    testbeds derived from :class:`SampledTestbed`, of the same kind (categorical, or
+    autoregressive with the same V, T and eos); only ``behavior``'s pi is used.
     """
 
     def __init__(self, target: SampledTestbed, behavior: SampledTestbed) -> None:

@@ -195,9 +195,10 @@ def kl_logits_forward(
         shard (vocab-parallel): log-probs 0 here, and in the backward only the ``-g q`` part of
         its gradient ``g (e_l - q)`` (``e_l`` lives on the shard that holds the token; pass the
         global ``lse`` in ``stats``). Single-device callers should not pass labels ``>= V``.
-      want_kl_pi_ref, want_kl_ref_pi, want_entropy: which of the three sums to accumulate; one
-        not wanted costs nothing and is returned as 0 (the log-normalizers and label log-probs
-        are always computed).
+      want_kl_pi_ref: accumulate KL(pi||ref); a sum not wanted costs nothing and is returned
+        as 0 (the log-normalizers and label log-probs are always computed).
+      want_kl_ref_pi: accumulate KL(ref||pi).
+      want_entropy: accumulate H(pi).
       block_v: vocabulary block (power of two, >= 16); default ``min(1024, next_pow2(V))``.
       num_warps: warps per row's program (power of two, 1 to 32); default ``block_v / 256``
         clipped to [1, 16] (for launch sweeps such as ``benchmarks/gpu_tune.py``).
@@ -286,16 +287,23 @@ def kl_logits_backward(
     and ``y`` once and writes ``dz`` / ``dy`` once (grid: rows x vocabulary blocks).
 
     Args:
-      z, y, temperature, labels: as given to :func:`kl_logits_forward`.
+      z: pi's logits, as given to :func:`kl_logits_forward`.
+      y: ref's logits, as given to :func:`kl_logits_forward`.
       stats: what :func:`kl_logits_forward` returned for them; only ``lse_z``, ``lse_y``,
         ``kl_pi_ref``, ``kl_ref_pi`` and ``entropy`` are read. For a shard of a vocabulary-parallel
         row, pass the statistics of the whole row: the gradient of each shard is then exact.
-      grad_kl_pi_ref, grad_kl_ref_pi, grad_entropy, grad_logp_label, grad_logp_ref_label: upstream
-        gradients :math:`g_1..g_5`, float ``[N]`` (made float32), or None for a term without one.
-        ``grad_logp_label`` / ``grad_logp_ref_label`` need ``labels``. A zero upstream gradient
-        drops its term exactly, even on a row where that KL is ``+inf``; a non-zero one on such a
-        row gives an undefined (possibly inf / NaN) gradient, as the gradient does not exist.
-      need_grad_z, need_grad_y: which gradients to compute.
+      temperature: as given to :func:`kl_logits_forward`.
+      labels: as given to :func:`kl_logits_forward`.
+      grad_kl_pi_ref: :math:`g_1`, the upstream gradient of KL(pi||ref), float ``[N]`` (made
+        float32), or None for no such term. A zero upstream gradient drops its term exactly,
+        even on a row where that KL is ``+inf``; a non-zero one on such a row gives an undefined
+        (possibly inf / NaN) gradient, as the gradient does not exist. The same for the others.
+      grad_kl_ref_pi: :math:`g_2`, of KL(ref||pi).
+      grad_entropy: :math:`g_3`, of H(pi).
+      grad_logp_label: :math:`g_4`, of the label log-prob under pi (needs ``labels``).
+      grad_logp_ref_label: :math:`g_5`, of the label log-prob under ref (needs ``labels``).
+      need_grad_z: compute the gradient w.r.t. ``z``.
+      need_grad_y: compute the gradient w.r.t. ``y``.
       block_v: vocabulary block of the backward grid (power of two, >= 16).
       num_warps: warps per program, as in :func:`kl_logits_forward`.
 
