@@ -40,6 +40,9 @@ from klest.logits.kernels import (  # noqa: E402
     kl_logits_forward,
     triton_available,
 )
+from tests._reference import assert_verbose_close as assert_close  # noqa: E402
+from tests._reference import logits_reference as reference  # noqa: E402
+from tests._reference import reference_grads  # noqa: E402
 
 needs_triton = pytest.mark.skipif(
     not HAS_TRITON, reason="triton is not installed (pip install triton)"
@@ -76,59 +79,8 @@ pytestmark = [
 ]
 
 
-# ----------------------------------------------------------------------------- reference
-
-
-def reference(z, y, tau=1.0, labels=None):
-    """The seven per-row outputs in float64, by log_softmax; differentiable (0 log 0 = 0)."""
-    a = z.double() / tau
-    b = y.double() / tau
-    la, lb = a.log_softmax(-1), b.log_softmax(-1)
-    q, p = la.exp(), lb.exp()
-    fa, fb = a > -INF, b > -INF
-
-    def kl(w, lw, lv, fw, fv):
-        # sum w (lw - lv) over w's support; +inf where w has mass and v has none. Both masks are
-        # applied so that a row with an infinite KL still has a finite, zero-weighted gradient.
-        both = fw & fv
-        diff = torch.where(both, lw - lv, torch.zeros_like(lw))
-        finite = (w * diff).sum(-1)
-        return torch.where((fw & ~fv).any(-1), torch.full_like(finite, INF), finite)
-
-    out = {
-        "lse_z": a.logsumexp(-1),
-        "lse_y": b.logsumexp(-1),
-        "kl_pi_ref": kl(q, la, lb, fa, fb),
-        "kl_ref_pi": kl(p, lb, la, fb, fa),
-        "entropy": -(q * torch.where(fa, la, torch.zeros_like(la))).sum(-1),
-    }
-    n, v = z.shape
-    if labels is None:
-        out["logp_label"] = out["logp_ref_label"] = torch.zeros(n, dtype=torch.float64)
-    else:
-        valid = (labels >= 0) & (labels < v)
-        idx = torch.where(valid, labels, torch.zeros_like(labels)).unsqueeze(-1)
-        zero = torch.zeros(n, dtype=torch.float64)
-        out["logp_label"] = torch.where(valid, la.gather(-1, idx).squeeze(-1), zero)
-        out["logp_ref_label"] = torch.where(valid, lb.gather(-1, idx).squeeze(-1), zero)
-    return out
-
-
-def reference_grads(z, y, tau, labels, grads):
-    """Autograd of sum_n sum_k g_k[n] * output_k[n] (float64) w.r.t. z and y."""
-    zz = z.detach().double().requires_grad_(True)
-    yy = y.detach().double().requires_grad_(True)
-    out = reference(zz, yy, tau, labels)
-    keys = ("kl_pi_ref", "kl_ref_pi", "entropy", "logp_label", "logp_ref_label")
-    loss = sum(
-        (g.double() * out[k]).sum() for k, g in zip(keys, grads, strict=True) if g is not None
-    )
-    dz, dy = torch.autograd.grad(loss, (zz, yy), allow_unused=True)
-    dz = torch.zeros_like(zz) if dz is None else dz
-    return dz, (torch.zeros_like(yy) if dy is None else dy)
-
-
 # ----------------------------------------------------------------------------- helpers
+# The float64 reference and the verbose assert are tests/_reference.py's.
 
 
 def logits(n, v, dtype, seed, scale=3.0):
@@ -140,27 +92,6 @@ def logits(n, v, dtype, seed, scale=3.0):
 
 def to_dev(*ts):
     return tuple(None if t is None else t.to(DEV) for t in ts)
-
-
-def assert_close(got, want, *, atol, rtol, what):
-    """Elementwise |got - want| <= atol + rtol |want|, with equal infinities; reports the worst."""
-    got = got.detach().cpu().double()
-    want = want.detach().cpu().double()
-    assert not torch.isnan(got).any(), f"{what}: NaN at {torch.isnan(got).nonzero().tolist()}"
-    inf_got, inf_want = torch.isinf(got), torch.isinf(want)
-    assert torch.equal(inf_got, inf_want), f"{what}: infinities differ: {got} vs {want}"
-    assert torch.equal(got[inf_got], want[inf_want]), f"{what}: signs of infinities differ"
-    g, w = got[~inf_got], want[~inf_want]
-    err = (g - w).abs()
-    bound = atol + rtol * w.abs()
-    bad = err > bound
-    if bad.any():
-        i = int((err - bound).argmax())
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {err.numel()} entries off; worst at flat index {i}: "
-            f"got {float(g[i]):.9g}, want {float(w[i]):.9g}, |diff| {float(err[i]):.3g} > "
-            f"{float(bound[i]):.3g}"
-        )
 
 
 def check_forward(stats, ref, what=""):
