@@ -284,18 +284,21 @@ def check_log_probs(
     allow_neg_inf: bool,
     role: str = "",
     density: bool = False,
+    rounding_of: torch.dtype | None = None,
 ) -> None:
     """Queue the checks of log-probs at the kept positions: no NaN, no +inf, none above 0
     (beyond rounding; skipped for the log-densities of continuous samples, ``density``), and no
     -inf unless ``allow_neg_inf`` (``role`` says why it is impossible).
 
     One reduction pass (``aminmax``; NaN propagates to both ends) decides; the detailed message
-    is built only when a check fails.
+    is built only when a check fails. ``rounding_of``: the dtype the log-probs were computed in,
+    whose rounding sets how far above 0 is tolerated (default ``x``'s).
     """
     if not checks.enabled or x.numel() == 0:
         return
     x = x.detach()
-    tol = math.inf if density else _POSITIVE_LOGP_TOL.get(x.dtype, _POSITIVE_LOGP_TOL_DEFAULT)
+    rounding_of = x.dtype if rounding_of is None else rounding_of
+    tol = math.inf if density else _POSITIVE_LOGP_TOL.get(rounding_of, _POSITIVE_LOGP_TOL_DEFAULT)
     # Masked positions may hold anything: replace them by a harmless -1.
     lo, hi = torch.aminmax(x if keep is None else torch.where(keep, x, -1.0))
     bad = ~(hi < math.inf) | (hi > tol)  # NaN, +inf, or above 0

@@ -105,6 +105,7 @@ class LogRatios:
     log_w: Tensor | None
     valid: Tensor | None
     shape: torch.Size
+    logp: Tensor  # log pi per row and token, 0 at masked positions, with the caller's graph
 
     def valid_or_all(self) -> Tensor:
         """``valid`` as a tensor (all True without a mask)."""
@@ -134,44 +135,50 @@ def prepare_log_ratios(
     keep = None
     if mask is not None:
         keep = check_mask(mask, logp.shape, logp.device, checks, of="the log-probs")
+    dtype = compute_dtype(logp, logp_ref, logp_behavior)
+    valid = None if keep is None else as_rows(keep)
+
+    def rows(x: Tensor) -> Tensor:
+        """``[rows, T]`` in the compute dtype, 0 under the mask (which may hold anything)."""
+        x = as_rows(x).to(dtype)
+        return x if valid is None else torch.where(valid, x, 0.0)
+
+    lp, lr = rows(logp), rows(logp_ref)
+    # Checked on the masked tensors (a 0 there passes every check), in the caller's layout.
     sampler = "pi" if logp_behavior is None else "behavior"
-    # Off-policy, pi may give a behavior sample probability 0.
-    check_log_probs(
-        "logp",
-        logp,
-        keep,
-        checks,
-        allow_neg_inf=logp_behavior is not None,
-        role="a sample pi cannot produce",
-        density=density,
-    )
-    check_log_probs("logp_ref", logp_ref, keep, checks, allow_neg_inf=True, density=density)
+    for name, x, original, allow_neg_inf, role in (
+        # Off-policy, pi may give a behavior sample probability 0.
+        ("logp", lp, logp, logp_behavior is not None, "a sample pi cannot produce"),
+        ("logp_ref", lr, logp_ref, True, ""),
+    ):
+        check_log_probs(
+            name,
+            x.reshape(original.shape),
+            None,
+            checks,
+            allow_neg_inf=allow_neg_inf,
+            role=role,
+            density=density,
+            rounding_of=original.dtype,
+        )
+    delta = lp - lr
+    log_w = None
     if logp_behavior is not None:
+        lb = rows(logp_behavior)
         check_log_probs(
             "logp_behavior",
-            logp_behavior,
-            keep,
+            lb.reshape(logp_behavior.shape),
+            None,
             checks,
             allow_neg_inf=False,
             role=f"a sample {sampler} cannot produce",
             density=density,
+            rounding_of=logp_behavior.dtype,
         )
-
-    dtype = compute_dtype(logp, logp_ref, logp_behavior)
-    lp = as_rows(logp).to(dtype)
-    valid = None if keep is None else as_rows(keep)
-    delta = lp - as_rows(logp_ref).to(dtype)
-    log_w = None
-    counted = valid
-    if logp_behavior is not None:
-        log_w = lp - as_rows(logp_behavior).to(dtype)
-        log_w = log_w if valid is None else torch.where(valid, log_w, 0.0)
+        log_w = lp - lb
         # A behavior sample that pi cannot produce has weight 0 and contributes 0.
-        can_produce = lp > -math.inf
-        counted = can_produce if valid is None else valid & can_produce
-    if counted is not None:
-        delta = torch.where(counted, delta, 0.0)
-    return LogRatios(delta, log_w, valid, logp.shape)
+        delta = torch.where(lp > -math.inf, delta, 0.0)
+    return LogRatios(delta, log_w, valid, logp.shape, lp)
 
 
 def at_sequence_level(lr: LogRatios) -> LogRatios:
@@ -183,6 +190,7 @@ def at_sequence_level(lr: LogRatios) -> LogRatios:
         None if lr.log_w is None else lr.log_w.sum(-1, keepdim=True),
         None if lr.valid is None else lr.valid.any(-1, keepdim=True),
         torch.Size((*lr.shape[:-1], 1)),
+        lr.logp.sum(-1, keepdim=True),
     )
 
 

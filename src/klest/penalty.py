@@ -539,10 +539,7 @@ def kl_penalty(
             kls=kls,
             checks=checks,
         )
-    logp_rows = as_rows(logp).to(lr.delta.dtype)
-    if lr.valid is not None:
-        logp_rows = torch.where(lr.valid, logp_rows, 0.0)
-    inputs = SurrogateInputs(lr, logp_rows, direction, value, baseline, keys, kls, stl_delta)
+    inputs = SurrogateInputs(lr, lr.logp, direction, value, baseline, keys, kls, stl_delta)
     value_out = value.reduce(reduction)
     surrogate_out = est.surrogate(inputs).reduce(reduction)
     check_finite_surrogate(

@@ -45,27 +45,35 @@ def prefix_weights(log_w: Tensor | None, *, inclusive: bool) -> Tensor | float:
 
 def first_token(valid: Tensor) -> Tensor:
     """Column of each row's first valid token, ``[rows]`` (0 for a row with none)."""
-    return valid.to(torch.uint8).argmax(-1)
+    return valid.view(torch.uint8).argmax(-1)  # a view: bool and uint8 share a layout
+
+
+def roll_rows(x: Tensor, shift: Tensor) -> Tensor:
+    """Roll row ``r`` of ``x`` ``[rows, T]`` left by ``shift[r]`` (in ``[0, T)``).
+
+    Each row of the result is a window of the row written twice (``unfold``), so only whole rows
+    are copied: no per-element index.
+    """
+    if x.shape[-1] == 0:
+        return x
+    doubled = torch.cat([x, x], -1)
+    windows = doubled.unfold(-1, x.shape[-1], 1)  # [rows, T + 1, T], a view
+    return windows[torch.arange(x.shape[0], device=x.device), shift]
 
 
 def align_left(x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
-    """Shift each row so that its first valid token is in column 0 (``[rows, T]``).
+    """Roll each row so that its first valid token is in column 0 (``[rows, T]``).
 
     Left- and right-padded layouts of one batch give the same result: per-position statistics
-    (baselines) computed on it compare the t-th token of every completion. Returns the shifted
-    values and validity (columns shifted in from past the end are invalid, value 0).
+    (baselines) computed on it compare the t-th token of every completion. The columns rolled in
+    past a row's end are its leading padding, so they stay invalid. Returns the rolled values and
+    validity (values at invalid positions are ``x``'s own: pass ``x`` masked).
     """
-    t = x.shape[-1]
-    cols = torch.arange(t, device=x.device) + first_token(valid).unsqueeze(-1)
-    inside = cols < t
-    cols = cols.clamp(max=t - 1)
-    keep = inside & valid.gather(-1, cols)
-    return torch.where(keep, x.gather(-1, cols), 0.0), keep
+    first = first_token(valid)
+    return roll_rows(x, first), roll_rows(valid, first)
 
 
 def unalign(aligned: Tensor, valid: Tensor) -> Tensor:
     """Undo :func:`align_left`: each row's column ``c`` takes aligned column ``c - first``."""
     t = aligned.shape[-1]
-    cols = torch.arange(t, device=aligned.device) - first_token(valid).unsqueeze(-1)
-    back = aligned.gather(-1, cols.clamp(min=0))
-    return torch.where(valid & (cols >= 0), back, 0.0)
+    return roll_rows(aligned, (t - first_token(valid)) % max(t, 1))

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from klest._checks import ValueChecks, check_decay, check_tensor, resolve_validate
-from klest.sequence import first_token
+from klest.sequence import first_token, roll_rows
 
 
 def decouple(value: Tensor, surrogate: Tensor, *, validate: bool | None = None) -> Tensor:
@@ -169,22 +169,22 @@ def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> T
     the rows of the group valid there; ``"loo"`` excludes the row's own value. Where no (other)
     row is valid at a position the baseline is 0. In ``targets``' dtype.
     """
-    rows, t = targets.shape
     x = torch.where(valid, targets.detach(), 0.0)
+    t = x.shape[-1]
+    per_position = t > 1
+    if per_position:  # the t-th token of every completion in column t
+        first = first_token(valid)
+        x, valid = roll_rows(x, first), roll_rows(valid, first)
     counted = valid.to(x.dtype)
-    # Each (group, position from the first token) is one cell of a [rows * T] grid of sums.
-    cell = keys.unsqueeze(-1) * t
-    if t > 1:
-        offset = torch.arange(t, device=x.device) - first_token(valid).unsqueeze(-1)
-        cell = cell + offset.clamp(min=0)  # before the first token: invalid, adds nothing
-    cell = cell.expand(rows, t)
-    flat = cell.reshape(-1)
-    sums = torch.zeros(rows * t, dtype=x.dtype, device=x.device).index_add_(0, flat, x.view(-1))
-    counts = torch.zeros_like(sums).index_add_(0, flat, counted.view(-1))
-    own_sum, own_count = sums[cell], counts[cell]
+    # Per group, the sums over its rows: dense row additions (index_add_ along rows).
+    sums = torch.zeros_like(x).index_add_(0, keys, x).index_select(0, keys)
+    counts = torch.zeros_like(x).index_add_(0, keys, counted).index_select(0, keys)
     if kind == "loo":
-        own_sum, own_count = own_sum - x, own_count - counted
-    return torch.where(own_count > 0, own_sum / own_count.clamp(min=1.0), 0.0)
+        # Without another valid row the group's sum is exactly this row's value: the baseline
+        # is 0 / 1 = 0, with no select.
+        sums, counts = sums - x, counts - counted
+    baseline = sums / counts.clamp(min=1.0)
+    return roll_rows(baseline, (t - first) % t) if per_position else baseline
 
 
 def group_sizes(keys: Tensor) -> Tensor:
