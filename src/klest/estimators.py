@@ -261,11 +261,11 @@ def _control_variate(delta: Tensor, direction: str, coef: Tensor) -> Tensor:
     near = near_forms(ratio_terms(delta, direction))
     with torch.no_grad():
         far = ~torch.isfinite(near)
-    if not bool(far.any()):
-        return near
-    # Recompute each form with inputs valid for it, so neither backward sees inf * 0.
     zero = torch.zeros_like(delta)
-    near = near_forms(ratio_terms(torch.where(far, zero, delta), direction))
+    if torch.is_grad_enabled() and (delta.requires_grad or coef.requires_grad):
+        # Recompute each form with inputs valid for it, so neither backward sees inf * 0.
+        near = near_forms(ratio_terms(torch.where(far, zero, delta), direction))
+    # Both forms for every element (no host synchronisation to ask whether any is far).
     x = -torch.where(far, delta, zero)
     if direction == "pi||ref":
         far_value = times_exp(coef, x) - x - coef

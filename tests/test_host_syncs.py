@@ -1,0 +1,95 @@
+"""Validation costs at most one host synchronisation per call, and none when it is off.
+
+A synchronisation is any read of a tensor's value on the host: ``item``, ``tolist``, ``bool``,
+``int``, ``float``, ``nonzero``. On the CPU they cost nothing, but the same code on a GPU stalls
+at each one, so they are counted here by wrapping those methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import pytest
+import torch
+
+import klest
+from klest.logits.kernels import triton_available
+from klest.testbeds import make_generator
+from tests._reference import random_log_probs
+
+READS = ("item", "tolist", "__bool__", "__int__", "__float__", "nonzero")
+
+
+@contextlib.contextmanager
+def counted_host_reads(monkeypatch):
+    calls = []
+    for name in READS:
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    try:
+        yield calls
+    finally:
+        monkeypatch.undo()
+
+
+def _inputs():
+    g = make_generator(0)
+    logp = random_log_probs((8, 16), g, dtype=torch.float32).requires_grad_()
+    logp_ref = random_log_probs((8, 16), g, dtype=torch.float32)
+    mask = torch.rand(8, 16, generator=g) > 0.2
+    mask[2] = False
+    return logp, logp_ref, mask
+
+
+CALLS = {
+    "k1": lambda lp, lr, m, v: klest.k1(lp, lr, mask=m, validate=v),
+    "k3 none": lambda lp, lr, m, v: klest.k3(lp, lr, mask=m, reduction="none", validate=v),
+    "cv 0.5": lambda lp, lr, m, v: klest.cv(lp, lr, alpha=0.5, mask=m, validate=v),
+    "cv loo": lambda lp, lr, m, v: klest.cv(lp, lr, alpha="loo", mask=m, validate=v),
+    "kl_penalty cumulative+loo": lambda lp, lr, m, v: klest.kl_penalty(
+        lp, lr, mask=m, baseline="loo", group=torch.arange(8) // 4, validate=v
+    ),
+    "kl_penalty score+ema": lambda lp, lr, m, v: klest.kl_penalty(
+        lp, lr, mask=m, grad="score", baseline=klest.BaselineEMA(), validate=v
+    ),
+    "kl_penalty token": lambda lp, lr, m, v: klest.kl_penalty(
+        lp, lr, mask=m, grad="token", validate=v
+    ),
+    "aggregate": lambda lp, lr, m, v: klest.aggregate(lp, mask=m, validate=v),
+}
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+@pytest.mark.parametrize("validate", [True, False])
+def test_at_most_one_host_read_with_validation_and_none_without(name, validate, monkeypatch):
+    logp, logp_ref, mask = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with counted_host_reads(monkeypatch) as calls:
+            out = CALLS[name](logp, logp_ref, mask, validate)
+            out.sum().backward()
+    assert len(calls) <= (1 if validate else 0), calls
+
+
+HAS_TRITON = triton_available()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked lanes
+def test_exact_kl_from_logits_on_the_kernels_reads_once_and_none_without_validation(monkeypatch):
+    """The Triton path (the one CUDA runs; here through the interpreter). Without a mask: with a
+    mask, the rows to skip are read on the host (one more read); the chunked PyTorch engine, the
+    CPU's path, reads per chunk whether a row needs its slow path."""
+    g = make_generator(1)
+    z = torch.randn(4, 6, 33, generator=g, requires_grad=True)
+    y = torch.randn(4, 6, 33, generator=g)
+    for validate, allowed in ((True, 1), (False, 0)):
+        with counted_host_reads(monkeypatch) as calls:
+            klest.kl_from_logits(z, y, validate=validate, backend="triton").backward()
+        assert len(calls) <= allowed, calls
