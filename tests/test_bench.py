@@ -68,3 +68,36 @@ def test_vocab_gpu_table_renders_the_recorded_run(monkeypatch):
     for method in report["methods"]:
         assert f"| {method} |" in table
     assert "fused linear" in table and "nan" not in table.lower()
+
+
+def test_overhead_quick_writes_every_case_and_appends_the_run(tmp_path):
+    for _ in range(2):
+        done = run_script("bench_overhead", "--quick", "--out", str(tmp_path), "--device", "cpu")
+        assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads((tmp_path / "overhead-cpu.json").read_text())
+    assert len(report["cases"]) == 3
+    for case in report["cases"]:
+        assert set(case["results"]) == {"plain", "klest"}
+        assert all(math.isfinite(r["ratio"]) for r in case["results"].values())
+    runs = (tmp_path / "overhead-cpu.runs.jsonl").read_text().splitlines()
+    assert len(runs) == 2 and json.loads(runs[-1])["cases"] == report["cases"]
+
+
+def test_plain_penalty_is_the_same_math_as_kl_penalty(monkeypatch):
+    """The benchmark's baseline computes what klest computes (value and gradient), so the
+    ratio compares like with like."""
+    bench = import_script("bench_overhead", monkeypatch)
+    import klest
+
+    g = torch.Generator().manual_seed(0)
+    logp = (-torch.rand(16, 12, generator=g, dtype=torch.float64) * 3).requires_grad_()
+    logp_ref = -torch.rand(16, 12, generator=g, dtype=torch.float64) * 3
+    mask = torch.ones(16, 12, dtype=torch.bool)
+    mask[:, 9:] = False
+    mask[3, 5:] = False
+    plain = bench.plain_penalty(logp, logp_ref, mask, 8)
+    ours = klest.kl_penalty(logp, logp_ref, mask=mask, baseline="loo", group=torch.arange(16) // 8)
+    torch.testing.assert_close(ours, plain)
+    (g_plain,) = torch.autograd.grad(plain, [logp])
+    (g_ours,) = torch.autograd.grad(ours, [logp])
+    torch.testing.assert_close(g_ours, g_plain)
