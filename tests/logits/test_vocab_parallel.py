@@ -57,6 +57,15 @@ def _run_all(z, y, labels, mask, kl_fn):
         zz = z.clone().requires_grad_()
         kl = kl_fn(zz, y, direction=direction, reduction="seq-mean-token-sum", temperature=0.7)
         results.append([kl.detach(), *torch.autograd.grad(kl, [zz])])
+    # Trainer batches: a row with no valid position counts in no mean; no valid position at all
+    # gives 0 with a zero gradient.
+    empty_row = mask.clone()
+    empty_row[0] = False
+    for m in (empty_row, torch.zeros_like(mask)):
+        zz = z.clone().requires_grad_()
+        kl = kl_fn(zz, y, mask=m, reduction="seq-mean-token-sum")
+        results.append([kl.detach(), *torch.autograd.grad(kl, [zz])])
+    assert float(results[-1][0]) == 0.0 and float(results[-1][1].abs().max()) == 0.0
     return results
 
 
