@@ -304,7 +304,7 @@ class GradSpec:
         value = self.value if self.alpha is None else f"{self.value}:{self.alpha}"
         return f"{value}/{self.grad}" + (f"+{self.baseline}" if self.baseline else "")
 
-    def build(self, direction: str, **options) -> Callable[[Sample], Tensor]:
+    def build(self, direction: str) -> Callable[[Sample], Tensor]:
         """A function from a batch to the scalar loss whose gradient is audited."""
         baseline: object = BaselineEMA() if self.baseline == "ema" else self.baseline
         alpha: object = AlphaEMA() if self.alpha == "ema" else self.alpha
@@ -328,7 +328,6 @@ class GradSpec:
                     logits_ref=sample.logits_ref,
                     logp_stl=sample.logp_stl,
                     logp_behavior=sample.logp_behavior,
-                    **options,
                 )
 
         return loss

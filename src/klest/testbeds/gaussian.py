@@ -83,14 +83,16 @@ class GaussianTestbed(Testbed):
         self.dim = d
 
     @classmethod
-    def schulman(cls, mu: float, **kwargs) -> GaussianTestbed:
+    def schulman(cls, mu: float, *, dtype: torch.dtype = torch.float64) -> GaussianTestbed:
         """Schulman's setting: samples from pi = N(0, 1), ref = N(mu, 1); KL(pi||ref) = mu^2/2."""
-        return cls(mean=0.0, mean_ref=mu, dim=1, **kwargs)
+        return cls(mean=0.0, mean_ref=mu, dim=1, dtype=dtype)
 
     @classmethod
-    def chimera(cls, dim: int, mu: float = 0.05, **kwargs) -> GaussianTestbed:
+    def chimera(
+        cls, dim: int, mu: float = 0.05, *, dtype: torch.dtype = torch.float64
+    ) -> GaussianTestbed:
         """The Chimera essay's setting: pi = N(mu 1, I) in D dims, ref = N(0, I)."""
-        return cls(mean=mu, mean_ref=0.0, dim=dim, **kwargs)
+        return cls(mean=mu, mean_ref=0.0, dim=dim, dtype=dtype)
 
     def parameters(self) -> list[Tensor]:
         return [self.mean, self.log_std]
