@@ -207,6 +207,17 @@ def audit_value(
       z_threshold: ``|bias| / se`` above which the bias is called significant.
       progress: show a progress bar.
       name: label for a function estimator.
+
+    Returns:
+      A :class:`ValueAudit`.
+
+    Example:
+      >>> from klest.testbeds import GaussianTestbed
+      >>> a = audit_value("k2", GaussianTestbed.schulman(1.0), batch_size=1000, n_trials=20)
+      >>> round(a.exact, 6), round(a.expected, 6)  # KL = mu^2/2; k2's mean: mu^2/2 + mu^4/8
+      (0.5, 0.625)
+      >>> a.significant
+      True
     """
     check_direction(direction)
     spec = EstimatorSpec.parse(estimator, level=level) if isinstance(estimator, str) else None
@@ -480,6 +491,17 @@ def audit_grad(
       z_threshold: a statistic above this rejects the corresponding hypothesis.
       progress: show a progress bar.
       name: label for a function estimator.
+
+    Returns:
+      A :class:`GradAudit`.
+
+    Example:
+      >>> from klest.testbeds import CategoricalTestbed
+      >>> testbed = CategoricalTestbed.random(5, seed=2)
+      >>> audit_grad("k3/autodiff", testbed, n_trials=600).verdict  # TRL's k3 loss
+      'descends KL(ref||pi), not KL(pi||ref)'
+      >>> audit_grad("k3/score", testbed, n_trials=600).verdict
+      'descends KL(pi||ref)'
     """
     check_direction(direction)
     other = "ref||pi" if direction == "pi||ref" else "pi||ref"

@@ -48,6 +48,13 @@ class TabularAutoregressive(SampledTestbed):
       horizon: T, the maximum length.
       eos: the end-of-sequence token id, or None for fixed-length sequences.
       markov: which parameterization the tables use (see the module docstring).
+
+    Example:
+      >>> pi = TabularAutoregressive.random(3, 4, eos=2, seed=0)  # V = 3 tokens, T <= 4
+      >>> s = pi.sample(8, generator=klest.testbeds.make_generator(0))
+      >>> s.logp.shape, s.logits.shape  # per token; full next-token log-probs along the samples
+      (torch.Size([8, 4]), torch.Size([8, 4, 3]))
+      >>> kl = pi.exact_kl("pi||ref")  # by enumeration, differentiable in pi's table
     """
 
     name = "tabular-autoregressive"

@@ -48,6 +48,14 @@ class GaussianTestbed(Testbed):
       log_std_ref: ref's log standard deviation, ``[D]``.
       dim: D, when every argument is a scalar.
       dtype: float dtype of parameters and samples (float64 by default: exact tests).
+
+    Example:
+      >>> tb = GaussianTestbed(mean=[0.3, -0.2], log_std=0.1, mean_ref=0.0, log_std_ref=0.0)
+      >>> s = tb.sample(4, generator=klest.testbeds.make_generator(0))  # x = mean + std * eps
+      >>> s.reparameterized, s.density
+      (True, True)
+      >>> [g.shape for g in tb.exact_kl_grad("pi||ref")]  # analytic gradient w.r.t. mean, log_std
+      [torch.Size([2]), torch.Size([2])]
     """
 
     name = "gaussian"
