@@ -176,8 +176,11 @@ def prepare_log_ratios(
             rounding_of=logp_behavior.dtype,
         )
         log_w = lp - lb
-        # A behavior sample that pi cannot produce has weight 0 and contributes 0.
-        delta = torch.where(lp > -math.inf, delta, 0.0)
+        # A behavior sample that pi cannot produce has weight 0 and contributes 0 (its log-prob
+        # is 0 for the score terms: it has no score).
+        producible = lp > -math.inf
+        delta = torch.where(producible, delta, 0.0)
+        lp = torch.where(producible, lp, 0.0)
     return LogRatios(delta, log_w, valid, logp.shape, lp)
 
 

@@ -149,6 +149,15 @@ class SurrogateInputs:
             coef = torch.where(self.lr.valid, coef, 0.0)
         return Estimate(self.logp_rows * coef, self.lr.valid, self.lr.shape)
 
+    def unweighted(self, target: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
+        """``target / w`` for a baseline (off-policy), and where it counts: positions whose
+        prefix weight underflowed to 0 (or is 0: pi cannot produce the prefix) neither feed the
+        baseline nor take one (``w b = 0`` there)."""
+        counted = w > 0
+        if self.lr.valid is not None:
+            counted = counted & self.lr.valid
+        return torch.where(counted, target / torch.where(counted, w, 1.0), 0.0), counted
+
     def baseline_for(self, targets: Tensor, valid: Tensor | None) -> Tensor | float:
         """The baseline of detached ``targets`` ``[rows, T]``, per position from each row's
         first valid token (so left and right padding agree; ``valid`` None: all count)."""
@@ -207,9 +216,14 @@ def _cumulative(x: SurrogateInputs) -> Estimate:
         coef = target - x.baseline_for(target, x.lr.valid)
     else:
         w = prefix_weights(x.lr.log_w, inclusive=True)
-        target = sum_from_here(w * d) if x.direction == "pi||ref" else w * torch.exp(-d.cumsum(-1))
+        if x.direction == "pi||ref":
+            target = sum_from_here(w * d)
+            unweighted, counted = x.unweighted(target, w)
+        else:
+            unweighted, counted = torch.exp(-d.cumsum(-1)), x.lr.valid
+            target = w * unweighted
         # A baseline b_t enters as W_{<=t} b_t: zero mean since E_behavior[W_{<=t} s_t] = 0.
-        coef = target - w * x.baseline_for(target / w, x.lr.valid)
+        coef = target - w * x.baseline_for(unweighted, counted)
     return x.score_estimate(coef if x.direction == "pi||ref" else -coef)
 
 
@@ -220,9 +234,12 @@ def _rb(x: SurrogateInputs) -> Estimate:
     surrogate = weights * x.kls
     if x.direction == "pi||ref":
         future = sum_after(weights * x.kls.detach())
-        w_incl = prefix_weights(x.lr.log_w, inclusive=True)
-        b = x.baseline_for(future if x.on_policy else future / w_incl, x.lr.valid)
-        surrogate = surrogate + x.logp_rows * (future - w_incl * b)
+        if x.on_policy:
+            coef = future - x.baseline_for(future, x.lr.valid)
+        else:
+            w_incl = prefix_weights(x.lr.log_w, inclusive=True)
+            coef = future - w_incl * x.baseline_for(*x.unweighted(future, w_incl))
+        surrogate = surrogate + x.logp_rows * coef
     return x.token_estimate(surrogate)
 
 

@@ -40,7 +40,9 @@ def prefix_weights(log_w: Tensor | None, *, inclusive: bool) -> Tensor | float:
     if log_w is None:
         return 1.0
     cum = log_w.detach().cumsum(-1)
-    return torch.exp(cum if inclusive else cum - log_w.detach())
+    if not inclusive:  # shifted, not cum - log_w: a -inf log-weight would give -inf - -inf
+        cum = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], -1)
+    return torch.exp(cum)
 
 
 def first_token(valid: Tensor) -> Tensor:
