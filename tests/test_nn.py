@@ -95,3 +95,28 @@ def test_kl_from_hidden_module_holds_the_heads_by_reference():
         KLFromHidden(head)(h, h_ref)
     with pytest.raises(TypeError, match=r"lm_head must be an nn\.Linear"):
         KLFromHidden(torch.nn.Embedding(3, 4))
+
+
+def test_kl_penalty_module_checks_its_options_at_construction():
+    with pytest.raises(ValueError, match="unknown baseline"):
+        KLPenalty(baseline="typo")
+    with pytest.raises(ValueError, match="unknown level"):
+        KLPenalty(level="bogus")
+    with pytest.raises(ValueError, match="alpha applies only"):
+        KLPenalty(alpha="ema")  # estimator k3
+
+
+def test_moving_averages_stay_float64_under_a_model_cast_and_freeze_in_eval():
+    module = KLPenalty(estimator="cv", alpha="ema", baseline="ema").to(torch.bfloat16)
+    assert module.alpha_ema.moments.dtype == torch.float64
+    assert module.baseline_ema.sums.dtype == torch.float64
+    s = make("tabular").sample(6, generator=make_generator(3))
+    module(s.logp, s.logp_ref, mask=s.mask)
+    module.eval()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with torch.no_grad():
+        module(s.logp, s.logp_ref, mask=s.mask)  # e.g. logging a validation KL
+    assert all(torch.equal(before[k], v) for k, v in module.state_dict().items())
+    module.train()
+    module(s.logp, s.logp_ref, mask=s.mask)
+    assert not torch.equal(before["alpha_ema.moments"], module.alpha_ema.moments)

@@ -48,6 +48,7 @@ from klest.penalty import PenaltyDetails
 from klest.penalty import kl_penalty
 from klest.surrogates import BaselineEMA
 from klest.surrogates import decouple
+import klest.nn  # noqa: F401 (the submodule is public: klest.nn.KLPenalty, ...)
 
 __version__ = "0.1.0"
 

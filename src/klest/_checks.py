@@ -122,10 +122,6 @@ def check_direction(direction: object) -> Direction:
     return check_choice("direction", direction, Direction)  # type: ignore[return-value]
 
 
-def other_direction(direction: Direction) -> Direction:
-    return "ref||pi" if direction == "pi||ref" else "pi||ref"
-
-
 def check_flag(name: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
@@ -278,7 +274,6 @@ def _what_was_passed(x: Tensor, keep: Tensor) -> str:
 def check_log_probs(
     name: str,
     x: Tensor,
-    keep: Tensor | None,
     checks: ValueChecks,
     *,
     allow_neg_inf: bool,
@@ -286,9 +281,9 @@ def check_log_probs(
     density: bool = False,
     rounding_of: torch.dtype | None = None,
 ) -> None:
-    """Queue the checks of log-probs at the kept positions: no NaN, no +inf, none above 0
-    (beyond rounding; skipped for the log-densities of continuous samples, ``density``), and no
-    -inf unless ``allow_neg_inf`` (``role`` says why it is impossible).
+    """Queue the checks of log-probs (masked positions already set to 0): no NaN, no +inf, none
+    above 0 (beyond rounding; skipped for the log-densities of continuous samples, ``density``),
+    and no -inf unless ``allow_neg_inf`` (``role`` says why it is impossible).
 
     One reduction pass (``aminmax``; NaN propagates to both ends) decides; the detailed message
     is built only when a check fails. ``rounding_of``: the dtype the log-probs were computed in,
@@ -299,14 +294,13 @@ def check_log_probs(
     x = x.detach()
     rounding_of = x.dtype if rounding_of is None else rounding_of
     tol = math.inf if density else _POSITIVE_LOGP_TOL.get(rounding_of, _POSITIVE_LOGP_TOL_DEFAULT)
-    # Masked positions may hold anything: replace them by a harmless -1.
-    lo, hi = torch.aminmax(x if keep is None else torch.where(keep, x, -1.0))
+    lo, hi = torch.aminmax(x)
     bad = ~(hi < math.inf) | (hi > tol)  # NaN, +inf, or above 0
     if not allow_neg_inf:
         bad = bad | (lo == -math.inf)
 
     def message(_: Tensor) -> str:
-        k = torch.ones_like(x, dtype=torch.bool) if keep is None else keep
+        k = torch.ones_like(x, dtype=torch.bool)
         for flags, what in ((torch.isnan(x) & k, "NaN"), ((x == math.inf) & k, "+inf")):
             if bool(flags.any()):
                 return f"{name} contains {what} at {first_bad(flags)}"

@@ -43,14 +43,15 @@ from klest._checks import (
 )
 from klest._types import DEFAULT_REDUCTION, Reduction
 
-MEAN_REDUCTIONS = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 SEQUENCE_REDUCTIONS = ("per-sequence", "seq-mean-token-sum", "sum")
 """The reductions that apply to one value per sequence (``level="sequence"``)."""
 
 
 def as_rows(x: Tensor) -> Tensor:
     """View ``x`` as ``[rows, T]`` under the layout convention (1-D -> ``[N, 1]``)."""
-    return x.reshape(-1, 1) if x.ndim <= 1 else x.reshape(-1, x.shape[-1])
+    if x.ndim <= 1:
+        return x.reshape(-1, 1)
+    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # not -1: T may be 0
 
 
 def sequence_shape(shape: torch.Size) -> torch.Size:

@@ -320,6 +320,8 @@ class GradSpec:
         baseline: object = BaselineEMA() if self.baseline == "ema" else self.baseline
         alpha: object = AlphaEMA() if self.alpha == "ema" else self.alpha
 
+        uses_logits = "rb" in (self.value, self.grad)
+
         def loss(sample: Sample) -> Tensor:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", KLGradientWarning)  # the audit measures it
@@ -335,8 +337,8 @@ class GradSpec:
                     baseline=baseline,
                     direction=direction,
                     alpha=alpha,
-                    logits=sample.logits,
-                    logits_ref=sample.logits_ref,
+                    logits=sample.logits if uses_logits else None,
+                    logits_ref=sample.logits_ref if uses_logits else None,
                     logp_stl=sample.logp_stl,
                     logp_behavior=sample.logp_behavior,
                 )

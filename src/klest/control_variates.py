@@ -139,8 +139,10 @@ class AlphaEMA(nn.Module):
     then folds the current batch in. Before the first batch, and while the batches' ``u`` has no
     variance, it is ``init``.
 
-    The state lives in buffers (``moments``, ``weight``) on the tensors' device, so it moves with
-    ``.to()``, is saved in ``state_dict`` (a resumed run keeps it) and costs no host copy.
+    The state lives in float64 buffers (``moments``, ``weight``) on the tensors' device, so it
+    moves with ``.to()`` (staying float64 when a model is cast to bf16), is saved in
+    ``state_dict`` (a resumed run keeps it) and costs no host copy. In ``eval()`` mode it is used
+    but not updated.
 
     Args:
       decay: :math:`\gamma`, the weight of the past, in [0, 1).
@@ -177,6 +179,8 @@ class AlphaEMA(nn.Module):
         if self.moments.device != a.device:
             self.to(a.device)
         coef = self.alpha
+        if not self.training:  # eval(): use the state, do not update it
+            return coef
         with torch.no_grad():
             a, b = a.detach().double(), b.detach().double()
             keep = valid & torch.isfinite(a) & torch.isfinite(b)
@@ -188,6 +192,12 @@ class AlphaEMA(nn.Module):
             self.moments.copy_(torch.where(seen, g * self.moments + (1 - g) * batch, self.moments))
             self.weight.copy_(torch.where(seen, g * self.weight + (1 - g), self.weight))
         return coef
+
+    def _apply(self, fn, recurse=True):
+        # Follow .to(device), but keep float64 state when a model is cast to bf16 / fp16.
+        super()._apply(fn, recurse)
+        self.moments, self.weight = self.moments.double(), self.weight.double()
+        return self
 
     def extra_repr(self) -> str:
         return f"decay={self.decay}, init={self.init}"

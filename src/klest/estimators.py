@@ -154,7 +154,6 @@ def prepare_log_ratios(
         check_log_probs(
             name,
             x.reshape(original.shape),
-            None,
             checks,
             allow_neg_inf=allow_neg_inf,
             role=role,
@@ -168,7 +167,6 @@ def prepare_log_ratios(
         check_log_probs(
             "logp_behavior",
             lb.reshape(logp_behavior.shape),
-            None,
             checks,
             allow_neg_inf=False,
             role=f"a sample {sampler} cannot produce",

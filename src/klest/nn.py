@@ -16,7 +16,7 @@ from typing import Literal
 
 from torch import Tensor, nn
 
-from klest._checks import check_choice, check_direction
+from klest._checks import check_choice, check_direction, check_flag
 from klest._types import (
     DEFAULT_REDUCTION,
     Backend,
@@ -29,7 +29,7 @@ from klest._types import (
 )
 from klest.aggregation import WithDetails
 from klest.control_variates import AlphaEMA
-from klest.estimators import Alpha
+from klest.estimators import Alpha, check_level
 from klest.logits import LogitsDetails, kl_from_hidden, kl_from_logits
 from klest.penalty import PenaltyDetails, kl_penalty
 from klest.surrogates import BaselineEMA
@@ -54,10 +54,11 @@ class KLPenalty(nn.Module):
       baseline_decay: decay of the ``"ema"`` baseline.
       alpha: for ``estimator="cv"``: a number, ``"loo"`` / ``"crossfit"`` / ``"in-sample"``,
         ``"ema"`` (an :class:`~klest.AlphaEMA` submodule) or an ``AlphaEMA``.
+      alpha_decay: decay of the ``"ema"`` coefficient.
       level: ``"token"`` or ``"sequence"`` for the value.
       reparameterized: the samples are reparameterized (``pathwise`` / ``stl``).
       density: the inputs are log-densities of continuous samples (they may exceed 0).
-      beta: the coefficient the KL term is multiplied by.
+      beta: the coefficient the KL term is multiplied by (the details describe the KL itself).
       validate: as in :func:`klest.kl_penalty`.
 
     Example:
@@ -79,6 +80,7 @@ class KLPenalty(nn.Module):
         baseline: Baseline | Literal["ema"] | BaselineEMA | None = None,
         baseline_decay: float = 0.9,
         alpha: Alpha | Literal["ema"] | None = None,
+        alpha_decay: float = 0.9,
         level: Level = "token",
         reparameterized: bool = False,
         density: bool = False,
@@ -91,9 +93,14 @@ class KLPenalty(nn.Module):
         self.grad = check_choice("grad", grad, Grad)
         self.direction = direction
         self.reduction = check_choice("reduction", reduction, Reduction)
+        check_level(level, reduction)
         self.level = level
-        self.reparameterized = reparameterized
-        self.density = density
+        if baseline is not None and not isinstance(baseline, BaselineEMA) and baseline != "ema":
+            check_choice("baseline", baseline, Baseline)
+        if alpha is not None and estimator != "cv":
+            raise ValueError(f"alpha applies only to estimator='cv', not {estimator!r}")
+        self.reparameterized = check_flag("reparameterized", reparameterized)
+        self.density = check_flag("density", density)
         self.beta = float(beta)
         self.validate = validate
         # Moving-average states are submodules (their buffers are in state_dict); the other
@@ -102,7 +109,7 @@ class KLPenalty(nn.Module):
         if isinstance(baseline, BaselineEMA):
             self.baseline_ema = baseline
         self.baseline_name = None if self.baseline_ema is not None else baseline
-        self.alpha_ema = AlphaEMA() if alpha == "ema" else None
+        self.alpha_ema = AlphaEMA(decay=alpha_decay) if alpha == "ema" else None
         if isinstance(alpha, AlphaEMA):
             self.alpha_ema = alpha
         self.alpha_value = None if self.alpha_ema is not None else alpha

@@ -467,7 +467,9 @@ def kl_penalty(
       alpha: coefficient for ``estimator="cv"`` (see :func:`klest.kl_estimate`).
       logp_behavior: log behavior of the tokens when they were not sampled from pi.
       logits: pi's next-token logits along the samples, ``logp.shape + (V,)``, with graph
-        (for ``estimator="rb"`` / ``grad="rb"``).
+        (read only by ``estimator="rb"`` / ``grad="rb"``; a training loop may pass them
+        always). With ``grad="rb"`` the exact KLs' gradient is written during the forward pass,
+        so the loss can be backpropagated once.
       logits_ref: ref's, same shape.
       logp_stl: for ``grad="stl"``: log pi of the samples with pi's distribution parameters
         stopped (x itself still differentiable).
@@ -524,15 +526,19 @@ def kl_penalty(
     keys = None if group is None else group_keys(check_group(group, logp.shape, logp.device))
     kls = None
     if "rb" in (estimator, grad):
-        kls = exact_position_kls(
-            logits,
-            logits_ref,
-            logp,
-            lr,
-            direction=direction,
-            checks=checks,
-            why=f"estimator={estimator!r} / grad={grad!r}",
-        )
+        # A graph (and the gradient buffer the logits path writes) only if the gradient uses it.
+        with torch.set_grad_enabled(torch.is_grad_enabled() and grad in ("rb", "autodiff")):
+            kls = exact_position_kls(
+                logits,
+                logits_ref,
+                logp,
+                lr,
+                direction=direction,
+                checks=checks,
+                why=f"estimator={estimator!r} / grad={grad!r}",
+            )
+    if alpha is not None and estimator != "cv":
+        raise ValueError(f"alpha applies only to estimator='cv', not {estimator!r}")
     stl_delta = None
     if grad == "stl":
         assert logp_stl is not None

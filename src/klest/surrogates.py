@@ -98,8 +98,11 @@ class BaselineEMA(nn.Module):
     (independent of the current samples, so the gradient stays unbiased), then folds the current
     batch in. Before any batch the baseline is 0.
 
-    The averages live in buffers (``sums``, ``weights``) on the tensors' device, so they move
-    with ``.to()``, are saved in ``state_dict`` (a resumed run keeps them) and cost no host copy.
+    The averages live in float64 buffers (``sums``, ``weights``) on the tensors' device, so they
+    move with ``.to()`` (staying float64 when a model is cast to bf16), are saved in
+    ``state_dict`` (a resumed run keeps them) and cost no host copy. In ``eval()`` mode the
+    averages are used but not updated. One average per position, over every group (``group``
+    ids do not apply to it).
 
     Args:
       decay: :math:`\gamma`, the weight of the past, in [0, 1).
@@ -131,6 +134,8 @@ class BaselineEMA(nn.Module):
         sums, weights = self.sums[:t], self.weights[:t]
         mean = torch.where(weights > 0, sums / weights.clamp(min=1e-300), 0.0)
         baseline = mean.to(targets.dtype).expand_as(targets).clone()
+        if not self.training:  # eval(): use the averages, do not update them
+            return baseline
         with torch.no_grad():
             count = valid.sum(0).double()
             batch_mean = torch.where(valid, targets.detach().double(), 0.0).sum(0)
@@ -148,6 +153,12 @@ class BaselineEMA(nn.Module):
             pad = torch.zeros(t - self.sums.numel(), dtype=torch.float64, device=device)
             self.sums = torch.cat([self.sums, pad])
             self.weights = torch.cat([self.weights, pad])
+
+    def _apply(self, fn, recurse=True):
+        # Follow .to(device), but keep float64 sums when a model is cast to bf16 / fp16.
+        super()._apply(fn, recurse)
+        self.sums, self.weights = self.sums.double(), self.weights.double()
+        return self
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args) -> None:
         # The buffers grow with the longest sequence seen; take the saved length.

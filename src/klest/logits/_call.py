@@ -95,8 +95,10 @@ def positions(
         labelled = (flat != ignore_index).reshape(lead)
         keep = labelled if keep is None else keep & labelled
     rows = None
-    if keep is not None and not bool(keep.all()):
+    if keep is not None:  # one host read: which rows count (the others are skipped)
         rows = keep.reshape(-1).nonzero().view(-1)
+        if rows.numel() == keep.numel():
+            rows = None
     return Positions(lead, flat, keep, rows, direction, reduction, details)
 
 

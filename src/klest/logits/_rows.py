@@ -39,7 +39,6 @@ from torch import Tensor
 from klest.logits._stats import Grads, KLRowStats
 from klest.logits.kernels import kl_logits_backward, kl_logits_forward, triton_available
 
-BACKENDS = ("auto", "torch", "triton")
 # Float32 buffers of V entries that the PyTorch path holds per row of a chunk (a, b, q, p, d).
 _BUFFERS_PER_ROW = 5
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
@@ -241,7 +240,11 @@ def _write_chunk_grad(
     on the masked path (``slow_rows`` of the chunk) overwritten by ``slow``'s. Written straight
     into ``target`` when the selection is a slice of the work dtype."""
     direct = isinstance(sel, slice) and target.dtype == _work_dtype(target)
-    out = target[sel] if direct else torch.empty(fast.q.shape, dtype=_work_dtype(target))
+    out = (
+        target[sel]
+        if direct
+        else torch.empty(fast.q.shape, dtype=_work_dtype(target), device=target.device)
+    )
     grad(fast, direction, out)
     if slow is not None:
         assert slow_rows is not None

@@ -386,8 +386,8 @@ def kl_logits_bwd_kernel(
         if HAS_G1:
             g1 = tl.load(g1_ptr + row)
             kl_ab = tl.load(kl_ab_ptr + row)
-            k1 = tl.where(g1 != 0.0, d_lse + kl_ab * LOG2E, 0.0)
-            bracket += g1 * (d - k1)
+            kl_ab_term = tl.where(g1 != 0.0, d_lse + kl_ab * LOG2E, 0.0)
+            bracket += g1 * (d - kl_ab_term)
         if HAS_G3:
             g3 = tl.load(g3_ptr + row)
             ent = tl.load(ent_ptr + row)
@@ -411,8 +411,8 @@ def kl_logits_bwd_kernel(
         if HAS_G2:
             g2 = tl.load(g2_ptr + row)
             kl_ba = tl.load(kl_ba_ptr + row)
-            k2 = tl.where(g2 != 0.0, kl_ba * LOG2E - d_lse, 0.0)
-            dy += (LN2 * g2) * tl.where(fin_b, p * (-d - k2), 0.0)
+            kl_ba_term = tl.where(g2 != 0.0, kl_ba * LOG2E - d_lse, 0.0)
+            dy += (LN2 * g2) * tl.where(fin_b, p * (-d - kl_ba_term), 0.0)
         if HAS_G5:
             g5 = tl.where(counted, tl.load(g5_ptr + row), 0.0)
             dy += g5 * (onehot - p)
