@@ -41,12 +41,13 @@ def test_alignment_at_the_first_valid_token_round_trips():
     )
     x = torch.arange(20, dtype=torch.float64).reshape(4, 5) + 1
     assert first_token(valid).tolist() == [2, 0, 0, 1]
-    rolled, aligned_valid = align_left(x, valid)
+    first = first_token(valid)
+    rolled, aligned_valid = align_left(x, valid, first)
     aligned = torch.where(aligned_valid, rolled, 0.0)
     assert aligned.tolist()[0] == [3, 4, 5, 0, 0] and aligned.tolist()[1] == [6, 7, 8, 0, 0]
     assert aligned.tolist()[3] == [17, 0, 19, 20, 0]  # a hole stays a hole
     assert aligned_valid.sum(-1).tolist() == valid.sum(-1).tolist()
-    assert torch.equal(torch.where(valid, unalign(rolled, valid), 0.0), torch.where(valid, x, 0.0))
+    assert torch.equal(torch.where(valid, unalign(rolled, first), 0.0), torch.where(valid, x, 0.0))
 
 
 def test_roll_rows_matches_torch_roll_per_row():

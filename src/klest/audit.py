@@ -23,13 +23,14 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
+from typing import get_args
 
 import torch
 from torch import Tensor
 
 from klest._checks import check_choice, check_direction
 from klest._progress import progress_bar
-from klest._types import Estimator
+from klest._types import AlphaFit, Estimator
 from klest.control_variates import AlphaEMA
 from klest.estimators import kl_estimate, per_token_values
 from klest.penalty import GRADIENT_ESTIMATORS, KLGradientWarning, kl_penalty
@@ -73,7 +74,8 @@ class EstimatorSpec:
     @classmethod
     def parse(cls, spec: str, *, level: str = "token") -> EstimatorSpec:
         name, _, arg = spec.partition(":")
-        check_choice("estimator", name, ("k1", "k2", "k3", "abs", "cv"))
+        # Every value estimator but rb, which needs logits: a spec names a per-sample formula.
+        check_choice("estimator", name, tuple(e for e in get_args(Estimator) if e != "rb"))
         if name != "cv":
             if arg:
                 raise ValueError(f"estimator {name!r} takes no argument, got {spec!r}")
@@ -83,7 +85,7 @@ class EstimatorSpec:
         try:
             return cls(name, float(arg), level)
         except ValueError:
-            check_choice("alpha", arg, ("loo", "crossfit", "in-sample", "ema"))
+            check_choice("alpha", arg, (*get_args(AlphaFit), "ema"))
             return cls(name, arg, level)
 
     @property

@@ -94,7 +94,14 @@ from klest.estimators import (
     prepare_log_ratios,
     rb_weights,
 )
-from klest.sequence import align_left, prefix_weights, sum_after, sum_from_here, unalign
+from klest.sequence import (
+    align_left,
+    first_token,
+    prefix_weights,
+    sum_after,
+    sum_from_here,
+    unalign,
+)
 from klest.surrogates import BaselineEMA, group_baseline, group_sizes, join
 
 
@@ -172,8 +179,9 @@ class SurrogateInputs:
             return group_baseline(targets, valid, self.baseline, keys)
         if targets.shape[-1] == 1:
             return self.baseline(targets, valid)
-        aligned, aligned_valid = align_left(targets, valid)
-        return unalign(self.baseline(aligned, aligned_valid), valid)
+        first = first_token(valid)
+        aligned, aligned_valid = align_left(targets, valid, first)
+        return unalign(self.baseline(aligned, aligned_valid), first)
 
 
 def _pathwise(x: SurrogateInputs) -> Estimate:
@@ -366,9 +374,14 @@ def _check_rules(
     if not isinstance(baseline, BaselineEMA):
         check_choice("baseline", baseline, Baseline)
     if direction not in est.baseline_directions:
+        takes = ", ".join(
+            f"{e.name} ({' and '.join(f'KL({d})' for d in e.baseline_directions)})"
+            for e in GRADIENT_ESTIMATORS.values()
+            if e.baseline_directions
+        )
         raise ValueError(
-            f"baseline applies to grad in ('score', 'cumulative', 'rb'), rb for KL(pi||ref) "
-            f"only; not grad={est.name!r} with direction={direction!r}"
+            f"baseline applies to grad in {takes}; not grad={est.name!r} with "
+            f"direction={direction!r}"
         )
 
 

@@ -63,19 +63,19 @@ def roll_rows(x: Tensor, shift: Tensor) -> Tensor:
     return windows[torch.arange(x.shape[0], device=x.device), shift]
 
 
-def align_left(x: Tensor, valid: Tensor) -> tuple[Tensor, Tensor]:
+def align_left(x: Tensor, valid: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
     """Roll each row so that its first valid token is in column 0 (``[rows, T]``).
 
     Left- and right-padded layouts of one batch give the same result: per-position statistics
     (baselines) computed on it compare the t-th token of every completion. The columns rolled in
     past a row's end are its leading padding, so they stay invalid. Returns the rolled values and
-    validity (values at invalid positions are ``x``'s own: pass ``x`` masked).
+    validity (values at invalid positions are ``x``'s own: pass ``x`` masked). ``first`` is
+    :func:`first_token` of ``valid``.
     """
-    first = first_token(valid)
     return roll_rows(x, first), roll_rows(valid, first)
 
 
-def unalign(aligned: Tensor, valid: Tensor) -> Tensor:
+def unalign(aligned: Tensor, first: Tensor) -> Tensor:
     """Undo :func:`align_left`: each row's column ``c`` takes aligned column ``c - first``."""
     t = aligned.shape[-1]
-    return roll_rows(aligned, (t - first_token(valid)) % max(t, 1))
+    return roll_rows(aligned, (t - first) % max(t, 1))

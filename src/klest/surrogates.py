@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from klest._checks import ValueChecks, check_decay, check_tensor, resolve_validate
-from klest.sequence import first_token, roll_rows
+from klest.sequence import align_left, first_token, unalign
 
 
 def decouple(value: Tensor, surrogate: Tensor, *, validate: bool | None = None) -> Tensor:
@@ -181,11 +181,10 @@ def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> T
     row is valid at a position the baseline is 0. In ``targets``' dtype.
     """
     x = torch.where(valid, targets.detach(), 0.0)
-    t = x.shape[-1]
-    per_position = t > 1
+    per_position = x.shape[-1] > 1
     if per_position:  # the t-th token of every completion in column t
         first = first_token(valid)
-        x, valid = roll_rows(x, first), roll_rows(valid, first)
+        x, valid = align_left(x, valid, first)
     counted = valid.to(x.dtype)
     # Per group, the sums over its rows: dense row additions (index_add_ along rows).
     sums = torch.zeros_like(x).index_add_(0, keys, x).index_select(0, keys)
@@ -195,7 +194,7 @@ def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> T
         # is 0 / 1 = 0, with no select.
         sums, counts = sums - x, counts - counted
     baseline = sums / counts.clamp(min=1.0)
-    return roll_rows(baseline, (t - first) % t) if per_position else baseline
+    return unalign(baseline, first) if per_position else baseline
 
 
 def group_sizes(keys: Tensor) -> Tensor:

@@ -297,9 +297,9 @@ def row_stats(
         )
         if rows is None:  # float32 rows of the kernel's own [7, N] buffer, as they are
             return stats
-        out = torch.stack(stats)
-        zero_rows_except(out.T, rows)
-        return KLRowStats(*out.unbind(0))
+        # [7, N] statistics: a select costs little and needs no host read.
+        keep = torch.zeros(n, dtype=torch.bool, device=z.device).index_fill_(0, rows, True)
+        return KLRowStats(*torch.where(keep, torch.stack(stats), 0.0).unbind(0))
 
     out = torch.zeros(7, n, dtype=_work_dtype(z), device=z.device)
     kl_ba = want_kl_ref_pi or stash == "ref||pi"
@@ -467,7 +467,9 @@ def zeroed_rows_buffer(x: Tensor, rows: Tensor | None) -> Tensor:
 
 
 def zero_rows_except(x: Tensor | None, rows: Tensor | None) -> Tensor | None:
-    """Zero, in place, the rows of ``x`` that are not in ``rows`` (None: keep all)."""
+    """Zero, in place, the rows of ``x`` ``[N, V]`` that are not in ``rows`` (None: keep all).
+
+    One host read (which rows to fill) instead of a pass over every entry."""
     if x is None or rows is None:
         return x
     drop = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)

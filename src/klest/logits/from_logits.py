@@ -263,8 +263,9 @@ def kl_from_logits(
     per row; nothing ``[N, V]``-sized beyond the gradients. Math in float32 for float32 / bf16 /
     fp16 inputs (float64 for float64), gradients in the inputs' dtypes.
 
-    Shift: the logits at position t are the model's prediction of token t + 1. Pass logits and
-    labels already aligned (``logits[:, :-1]`` with ``input_ids[:, 1:]``), as for cross-entropy.
+    Shift: the logits at position t are the model's prediction of token t + 1, so position t's
+    label is ``input_ids[:, t + 1]``. Slicing (``logits[:, :-1]``) copies the logits; to avoid
+    the copy, pass the whole ``[B, T, V]`` and mask (or label ``ignore_index``) the last position.
 
     See "Better Estimation of the Kullback-Leibler Divergence Between Language Models" by Afra
     Amini, Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637).
