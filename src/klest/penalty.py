@@ -476,7 +476,10 @@ def kl_penalty(
       reparameterized: the samples are x = g(theta, eps) and ``logp`` / ``logp_ref`` carry the
         graph through x (VAEs, VI): required by ``pathwise`` / ``stl``, refused by the
         score-function estimators.
-      level: ``"token"`` or ``"sequence"`` for the value (see :func:`klest.kl_estimate`).
+      level: ``"token"`` or ``"sequence"`` for the value (see :func:`klest.kl_estimate`). For
+        KL(ref||pi) the token-level value summed over a sequence is not the sequence KL (the
+        prefixes come from pi): use ``level="sequence"`` or ``estimator="rb"`` there; every
+        gradient estimator targets the sequence KL either way.
       alpha: coefficient for ``estimator="cv"`` (see :func:`klest.kl_estimate`).
       logp_behavior: log behavior of the tokens when they were not sampled from pi.
       logits: pi's next-token logits along the samples, ``logp.shape + (V,)``, with graph
