@@ -1,15 +1,18 @@
 """Every value estimator against exact answers on every testbed, both directions.
 
-Two kinds of check:
-- exact: an estimator's expectation computed by enumeration / quadrature equals the exact KL
-  (unbiasedness proven without sampling), or differs from it where it must (biased estimators,
-  and per-token KL(ref||pi) on sequences);
+Three kinds of check:
+- formulas: every estimator's values, elementwise, against its textbook formula written out in
+  float64 in ``tests/_reference.py`` (both directions, both levels, masks, off-policy weights);
+- exact: the expectation of that formula (not klest's code) by enumeration / quadrature equals
+  the exact KL (unbiasedness proven without sampling), or differs from it where it must
+  (biased estimators, and per-token KL(ref||pi) on sequences);
 - Monte Carlo: the sample mean is within 4 standard errors of that exact expectation
   (false-fail rate 6e-5 per comparison; seeds fixed).
 """
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -18,7 +21,13 @@ import torch
 import klest
 from klest.audit import EstimatorSpec, audit_value
 from klest.testbeds import CategoricalTestbed, TabularAutoregressive, make_generator
-from tests._reference import random_log_probs
+from tests._reference import (
+    assert_verbose_close,
+    estimator_formula,
+    loo_alpha_reference,
+    random_log_probs,
+    values_reference,
+)
 from tests._stats import Z, assert_mean_close
 from tests._testbeds import make
 
@@ -31,15 +40,90 @@ WITH_EXPECTATION = ("schulman-0.7", "categorical-6", "tabular-T4", "markov-T6")
 SEQUENCES = ("tabular-T4", "markov-T6")
 
 
+def formula_mean(testbed, spec: str, direction: str, level: str = "token") -> float:
+    """The exact expectation of the estimator ``spec`` (``"k3"``, ``"cv:0.5"``...) on
+    ``testbed``, from the formula of ``tests/_reference.py`` (no klest estimator code): a token
+    sum, or at ``level="sequence"`` the formula of each sequence's summed log-ratio."""
+    name, _, arg = spec.partition(":")
+    alpha = float(arg) if arg else None
+
+    def fn(delta: torch.Tensor) -> torch.Tensor:
+        return estimator_formula(delta, name, direction, alpha)
+
+    if level == "sequence":
+        return float(testbed.sequence_expectation(fn))
+    return float(testbed.expectation(fn))
+
+
+FORMULA_SPECS = ("k1", "k2", "k3", "abs", "cv:0.5", "cv:-0.7", "cv:2.0")
+
+
+@pytest.mark.parametrize("off_policy", [False, True], ids=["on-policy", "off-policy"])
+@pytest.mark.parametrize("shape", [(5, 7), (9,)])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("spec", (*FORMULA_SPECS, "cv:loo"))
+def test_values_match_the_textbook_formulas_elementwise(spec, direction, level, shape, off_policy):
+    """k1, k2, k3, abs, cv (fixed alpha, and leave-one-out) through the public functions,
+    against ``tests/_reference.py``'s float64 formulas: per token (``"none"``) or per sequence
+    (``level="sequence"``, ``"per-sequence"``), with a mask that pads rows and empties one,
+    and importance weights pi / behavior (per token, or per sequence at the sequence level).
+    Tolerance: 1e-13 of the formula's terms (float64 rounding of the reference)."""
+    g = make_generator(sum(shape) + (7 if off_policy else 0))
+    logp, logp_ref = random_log_probs(shape, g), random_log_probs(shape, g)
+    behavior = random_log_probs(shape, g) if off_policy else None
+    mask = torch.rand(shape, generator=g) > 0.3
+    mask[..., 0] = True
+    mask[2] = False  # an empty row (a masked sample of a 1-D input)
+    name, _, arg = spec.partition(":")
+    alpha = None if not arg else arg if arg == "loo" else float(arg)
+    public = {"k1": klest.k1, "k2": klest.k2, "k3": klest.k3, "abs": klest.k_abs}
+    fn = functools.partial(klest.cv, alpha=alpha) if name == "cv" else public[name]
+    reduction = "per-sequence" if level == "sequence" else "none"
+    got = fn(
+        logp,
+        logp_ref,
+        direction=direction,
+        mask=mask,
+        level=level,
+        logp_behavior=behavior,
+        reduction=reduction,
+    )
+    want = values_reference(
+        logp,
+        logp_ref,
+        estimator=name,
+        direction=direction,
+        alpha=alpha,
+        mask=mask,
+        level=level,
+        logp_behavior=behavior,
+    )
+    # The size of the reference's terms: w (1 + r)(1 + |delta|), at the token or sequence.
+    keep = mask
+    delta = torch.where(keep, logp - logp_ref, 0.0)
+    log_w = torch.where(keep, logp - behavior, 0.0) if off_policy else torch.zeros_like(delta)
+    if level == "sequence" and len(shape) >= 2:
+        delta, log_w = delta.sum(-1), log_w.sum(-1)
+    size_alpha = 10.0 if alpha == "loo" else abs(alpha or 0.0)  # a fitted one: generously
+    scale = log_w.exp() * (1 + torch.exp(-delta)) * (1 + delta.abs()) * (1 + size_alpha)
+    assert_verbose_close(got, want, atol=1e-13 * scale, what=f"{spec} {direction} {level}")
+    assert float(want.abs().max()) > 0
+
+
 @pytest.mark.parametrize("direction", DIRECTIONS)
 @pytest.mark.parametrize("spec", UNBIASED)
 @pytest.mark.parametrize("name", WITH_EXPECTATION)
 def test_exact_mean_of_unbiased_estimators_is_the_kl(name, spec, direction):
+    """The expectation of the formula is the KL; the audit's exact mean (klest's own values)
+    is that expectation."""
     testbed = make(name)
     exact = float(testbed.exact_kl(direction).detach())
     level = "sequence" if (name in SEQUENCES and direction == "ref||pi") else "token"
-    mean = EstimatorSpec.parse(spec, level=level).exact_mean(testbed, direction)
+    mean = formula_mean(testbed, spec, direction, level)
     assert mean == pytest.approx(exact, rel=1e-9, abs=1e-12)
+    audit_mean = EstimatorSpec.parse(spec, level=level).exact_mean(testbed, direction)
+    assert audit_mean == pytest.approx(mean, rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize("spec", UNBIASED)
@@ -48,8 +132,10 @@ def test_per_token_ref_pi_summed_is_not_the_sequence_kl(name, spec):
     """Token sums of KL(ref||pi) estimators take prefixes from pi: a different quantity."""
     testbed = make(name)
     exact = float(testbed.exact_kl("ref||pi").detach())
-    mean = EstimatorSpec.parse(spec).exact_mean(testbed, "ref||pi")
+    mean = formula_mean(testbed, spec, "ref||pi")
     assert abs(mean - exact) > 0.05 * exact
+    audit_mean = EstimatorSpec.parse(spec).exact_mean(testbed, "ref||pi")
+    assert audit_mean == pytest.approx(mean, rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
@@ -57,8 +143,10 @@ def test_per_token_ref_pi_summed_is_not_the_sequence_kl(name, spec):
 @pytest.mark.parametrize("name", WITH_EXPECTATION)
 def test_biased_estimators_have_a_bias(name, spec, direction):
     testbed = make(name)
-    mean = EstimatorSpec.parse(spec).exact_mean(testbed, direction)
+    mean = formula_mean(testbed, spec, direction)
     assert abs(mean - float(testbed.exact_kl(direction).detach())) > 1e-3
+    audit_mean = EstimatorSpec.parse(spec).exact_mean(testbed, direction)
+    assert audit_mean == pytest.approx(mean, rel=1e-9, abs=1e-12)
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
@@ -68,8 +156,7 @@ def test_monte_carlo_mean_matches_exact_expectation(name, spec, direction):
     testbed = make(name)
     levels = ("token", "sequence") if name in SEQUENCES else ("token",)
     for level in levels:
-        parsed = EstimatorSpec.parse(spec, level=level)
-        expected = parsed.exact_mean(testbed, direction)
+        expected = formula_mean(testbed, spec, direction, level)
         audit = audit_value(
             spec, testbed, direction=direction, level=level, batch_size=200, n_trials=20, seed=11
         )
@@ -240,6 +327,7 @@ def test_half_precision_inputs_are_computed_in_float32(dtype):
 
 
 def test_diagnostics():
+    """Every number of the diagnostics against values computed here from the formulas."""
     g = make_generator(5)
     logp = random_log_probs((8, 10), g, dtype=torch.float32)
     logp_ref = random_log_probs((8, 10), g, dtype=torch.float32)
@@ -250,17 +338,29 @@ def test_diagnostics():
         logp, logp_ref, mask=mask, reduction="seq-mean-token-sum", return_details=True
     )
     diag = details.diagnostics
-    per_row = ((logp - logp_ref) * mask).sum(-1)[mask.any(-1)]
+    delta = (logp - logp_ref).double()
+    per_row = (delta * mask).sum(-1)[mask.any(-1)]
     assert diag.n_units == 7 and diag.n_empty_rows == 1
     assert diag.mean == pytest.approx(float(value), rel=1e-6)
-    assert diag.stderr == pytest.approx(float(per_row.double().std() / math.sqrt(7)), rel=1e-6)
-    negative = float(((logp - logp_ref) < 0)[mask].double().mean())
+    assert diag.mean == pytest.approx(float(per_row.mean()), rel=1e-6)
+    assert diag.stderr == pytest.approx(float(per_row.std() / math.sqrt(7)), rel=1e-6)
+    negative = float((delta < 0)[mask].double().mean())
     assert diag.frac_negative == pytest.approx(negative)
+    assert diag.alpha is None
     value3, details3 = klest.k3(
         logp, logp_ref, mask=mask, reduction="token-mean", return_details=True
     )
     diag3 = details3.diagnostics
+    k3_tokens = estimator_formula(delta, "k3", "pi||ref")[mask]
     assert diag3.frac_negative == 0.0 and diag3.n_units == int(mask.sum())
     assert diag3.mean == pytest.approx(float(value3), rel=1e-6)
+    assert diag3.mean == pytest.approx(float(k3_tokens.mean()), rel=1e-6)
+    assert diag3.stderr == pytest.approx(
+        float(k3_tokens.std() / math.sqrt(k3_tokens.numel())), rel=1e-5
+    )
+    # alpha: the mean over rows of each row's leave-one-out coefficient.
     _, details_cv = klest.cv(logp, logp_ref, alpha="loo", return_details=True)
-    assert details_cv.diagnostics.alpha is not None
+    naive = estimator_formula(delta, "k1", "pi||ref")
+    control = torch.expm1(-delta)
+    coefs = loo_alpha_reference(naive, control, torch.ones_like(mask))
+    assert details_cv.diagnostics.alpha == pytest.approx(float(coefs.mean()), rel=1e-5)
