@@ -28,7 +28,7 @@ from tests._reference import (
     random_log_probs,
     values_reference,
 )
-from tests._stats import Z, assert_mean_close
+from tests._stats import RATE, Z, assert_failures_consistent, assert_mean_close, z_for
 from tests._testbeds import make
 
 DIRECTIONS = ("pi||ref", "ref||pi")
@@ -200,29 +200,96 @@ def test_in_sample_alpha_is_biased_where_loo_is_not():
     assert abs(loo.z) <= Z, loo
 
 
-def test_fitted_alpha_reaches_the_optimal_control_variate_variance():
-    """Var(k1 + alpha* (r - 1)) = Var(k1) (1 - rho^2), rho = corr(k1, r); exact on a categorical."""
-    testbed = make("categorical-6")
-    m = {
-        name: float(testbed.expectation(fn))
-        for name, fn in {
-            "d": lambda d: d,
-            "dd": lambda d: d * d,
-            "r": lambda d: torch.exp(-d),
-            "rr": lambda d: torch.exp(-2 * d),
-            "dr": lambda d: d * torch.exp(-d),
-        }.items()
+LOO_BATCH, LOO_TRIALS = 128, 4000
+# The O(1/n) relative remainder of the leading-order excess below, allowed on top of the
+# statistical tolerance. Measured on "categorical" (10^4-2x10^4 trials): +0.18 +- 0.03 at n = 32,
+# +0.075 +- 0.027 at n = 64, +0.035 +- 0.03 at n = 128.
+LOO_REMAINDER = 0.1
+
+
+def _leave_one_out_variance_statistics(seed: int) -> dict[str, float]:
+    r"""|statistic| / threshold (a check fails above 1) of the three checks of
+    :func:`test_fitted_alpha_reaches_the_optimal_control_variate_variance` at ``seed``."""
+    testbed = make("categorical")
+    n, trials = LOO_BATCH, LOO_TRIALS
+
+    def m(fn) -> float:  # exact expectation over pi, by summation
+        return float(testbed.expectation(fn))
+
+    kl = m(lambda d: d)
+    var_b = m(lambda d: torch.expm1(-d) ** 2)  # b = r - 1, E[b] = 0
+    alpha = -m(lambda d: (d - kl) * torch.expm1(-d)) / var_b
+
+    def e(d):  # the oracle's centred value k1 + alpha* b - KL
+        return d - kl + alpha * torch.expm1(-d)
+
+    var_e = m(lambda d: e(d) ** 2)
+    c = (
+        m(lambda d: torch.expm1(-d) ** 2 * e(d) ** 2) / var_b
+        + (m(lambda d: torch.expm1(-d) ** 2 * e(d)) / var_b) ** 2
+    ) / var_e
+    s = testbed.sample(n * trials, generator=make_generator(seed))
+    logp, logp_ref = s.logp.detach(), s.logp_ref
+    group = torch.arange(trials).repeat_interleave(n)
+    loo = klest.cv(logp, logp_ref, alpha="loo", group=group, reduction="none")
+    loo = loo.view(trials, n).mean(1)
+    d = (logp - logp_ref).view(trials, n)
+    oracle = (d + alpha * torch.expm1(-d)).mean(1)
+    k1 = d.mean(1)
+    excess = loo - oracle
+    z = z_for(RATE, 3)
+
+    def z_mean(x: torch.Tensor, null: float, allowance: float = 0.0) -> float:
+        se = float(x.std()) / math.sqrt(x.numel())
+        return max(abs(float(x.mean()) - null) - allowance, 0.0) / se / z
+
+    def z_power(x: torch.Tensor) -> float:  # one-sided, E[x] > 0 detected: z / observed z
+        observed = float(x.mean()) / (float(x.std()) / math.sqrt(x.numel()))
+        return z / observed if observed > 0 else math.inf
+
+    return {
+        "cross term": z_mean((oracle - kl) * excess, 0.0),
+        "excess": z_mean(excess**2 * n * (n - 1) / (c * var_e), 1.0, LOO_REMAINDER),
+        "below k1": z_power((k1 - kl) ** 2 - (loo - kl) ** 2),
     }
-    var_k1 = m["dd"] - m["d"] ** 2
-    var_r = m["rr"] - m["r"] ** 2
-    cov = m["dr"] - m["d"] * m["r"]
-    batch = 64
-    optimal_std = math.sqrt((var_k1 - cov * cov / var_r) / batch)
-    k1_std = math.sqrt(var_k1 / batch)
-    loo = audit_value("cv:loo", testbed, batch_size=batch, n_trials=2000, seed=1)
-    # Fitting alpha from 63 samples costs O(1/63) extra variance; allow 10% plus 4 se.
-    assert loo.std <= 1.1 * optimal_std + Z * loo.se_std, (loo.std, optimal_std)
-    assert loo.std < k1_std - Z * loo.se_std, (loo.std, k1_std)
+
+
+def test_fitted_alpha_reaches_the_optimal_control_variate_variance():
+    r"""Leave-one-out alpha costs exactly the variance of its own error, which vanishes like 1/n.
+
+    Batch means over n = 128 draws of "categorical", 4000 batches, on the same samples: the
+    LOO estimate M, the oracle O = mean(k1 + alpha* b) (b = r - 1, alpha* = -Cov(k1, b) / Var b
+    exact by summation) and D = M - O = mean_i (alpha_{-i} - alpha*) b_i.
+
+    - Cross term (exact): E[(O - KL) D] = 0, because alpha_{-i} never sees sample i and
+      E[b_i (k1_i + alpha* b_i)] = 0 at the optimum; so Var(M) = Var(O) + E[D^2] >= Var(O).
+    - Excess (leading order): E[D^2] = c Var(e) / (n (n - 1)) + O(n^-3), e = k1 + alpha* b - KL,
+      c = (E[b^2 e^2] / Var b + (E[b^2 e] / Var b)^2) / Var(e) (the delta method: alpha_{-i} -
+      alpha* ~ -mean_{j != i} b_j e_j / Var b); so Var(M) / Var(O) = 1 + c / (n - 1) (c = 0.40
+      here: 0.3% above the optimum). Tolerance: the statistical one plus ``LOO_REMAINDER``.
+      Power: a fit on half the rows (crossfit) doubles the excess, 20 standard errors away.
+    - Below k1: E[(k1 - KL)^2 - (M - KL)^2] > 0, one-sided (expected z about 40).
+
+    Not on "categorical-6" (r up to 7.1 on an outcome of probability 0.04): there the leading
+    order holds only from n ~ 1000 (the measured excess is 6x it at n = 64: LOO fits that miss
+    the rare outcome swing alpha).
+
+    False-fail rate ``RATE`` (6.3e-5) for the three checks together (Bonferroni, two-sided
+    thresholds for all three); the slow companion reruns them over 40 seeds.
+    """
+    stats = _leave_one_out_variance_statistics(seed=1)
+    assert all(v <= 1 for v in stats.values()), stats
+
+
+@pytest.mark.slow
+def test_fitted_alpha_variance_checks_hold_over_seeds():
+    """The three checks above at 40 seeds: no failure expected (rate 40 x 6.3e-5 = 2.5e-3)."""
+    worst = {k: [] for k in ("cross term", "excess", "below k1")}
+    for seed in range(100, 140):
+        for k, v in _leave_one_out_variance_statistics(seed).items():
+            worst[k].append(v)
+    for k, values in worst.items():
+        assert_failures_consistent(values, 1.0, RATE, f"LOO variance, {k}")
 
 
 @pytest.mark.parametrize("direction", DIRECTIONS)
