@@ -22,6 +22,7 @@ from klest.testbeds import (
     TabularAutoregressive,
     make_generator,
 )
+from tests._reference import reduce_reference, values_reference
 from tests._stats import Z
 from tests._testbeds import make
 
@@ -250,6 +251,12 @@ def test_forward_value_is_the_value_estimator(value, reduction):
         s.logp, s.logp_ref, estimator=value, mask=s.mask, reduction=reduction
     )
     assert torch.allclose(loss, expected, rtol=1e-12)
+    # And against the formula, written out independently of klest.
+    per_token = values_reference(
+        s.logp, s.logp_ref, estimator=value, direction="pi||ref", mask=s.mask
+    )
+    by_hand = reduce_reference(per_token, s.mask, reduction)
+    assert float(loss.detach()) == pytest.approx(by_hand, rel=1e-12, abs=1e-15)
 
 
 VALUE_CHOICES = [
@@ -315,6 +322,21 @@ def test_forward_value_is_kl_estimate_for_every_value_level_and_direction(
         s.logp, s.logp_ref, estimator=value, reduction="seq-mean-token-sum", **common
     )
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-15)
+    # And against the formulas written out in tests/_reference.py (leave-one-out included).
+    reference = values_reference(
+        s.logp,
+        s.logp_ref,
+        estimator=value,
+        direction=direction,
+        alpha=alpha,
+        mask=s.mask,
+        level=level,
+        logp_behavior=s.logp_behavior,
+    )
+    by_row = reference.sum(-1) if level == "token" else reference
+    torch.testing.assert_close(details.per_sequence, by_row, rtol=1e-10, atol=1e-12)
+    nonempty = s.mask.any(-1)
+    torch.testing.assert_close(loss.detach(), by_row[nonempty].mean(), rtol=1e-10, atol=1e-12)
 
 
 def test_rb_value_for_ref_pi_weights_each_position_by_the_prefix_ratio():
