@@ -22,6 +22,13 @@ def _gaussian() -> GaussianTestbed:
     return GaussianTestbed(mean=[0.3, -0.2], log_std=[0.1, -0.15], mean_ref=0.0, log_std_ref=0.0)
 
 
+def _gaussian_wide() -> GaussianTestbed:
+    """As ``_gaussian`` with pi wider than ref in every dimension: r = ref / pi is bounded, so
+    every moment of every estimator and gradient is finite (on ``_gaussian``, pi is narrower in
+    the second dimension and E_pi[r^k] is finite only for k < 3.86)."""
+    return GaussianTestbed(mean=[0.3, -0.2], log_std=[0.1, 0.15], mean_ref=0.0, log_std_ref=0.0)
+
+
 def _tabular() -> TabularAutoregressive:
     return TabularAutoregressive.random(3, 3, eos=2, seed=4, scale=0.8)
 
@@ -36,6 +43,8 @@ FACTORIES: dict[str, Callable[[], Testbed]] = {
     # Gaussians: analytic KLs; reparameterized samples unless "-sf" (score function).
     "gaussian": _gaussian,
     "gaussian-sf": lambda: ScoreFunctionGaussian(_gaussian()),
+    "gaussian-wide": _gaussian_wide,
+    "gaussian-wide-sf": lambda: ScoreFunctionGaussian(_gaussian_wide()),
     "gaussian-3d": lambda: GaussianTestbed(
         mean=[0.2, -0.1, 0.3], log_std=[0.1, -0.2, 0.0], mean_ref=0.0, log_std_ref=0.0
     ),

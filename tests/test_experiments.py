@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from klest.cli import main
-from tests.conftest import Z
+from tests._stats import RATE, Z, assert_failures_consistent, t_for
 
 
 def run_quick(name: str, tmp_path) -> dict:
@@ -176,34 +176,101 @@ def _reverse_kl_optimum(modes: list[float], mode_std: float) -> tuple[float, flo
     return float(params[0].detach()), float(params[1].detach().exp())
 
 
+REPLICATES = 9  # extra fits, at seeds seed + 1 ... seed + 9
+
+
+def _optima(modes: list[float], mode_std: float) -> dict[str, tuple[float, float]]:
+    """The (mean, std) optimum of the mode-seeking experiment's KL(pi||ref) fit ("reverse") and
+    of its KL(ref||pi) fits ("forward")."""
+    mix_mean = sum(modes) / len(modes)
+    mix_std = math.sqrt(mode_std**2 + sum((m - mix_mean) ** 2 for m in modes) / len(modes))
+    return {"reverse": _reverse_kl_optimum(modes, mode_std), "forward": (mix_mean, mix_std)}
+
+
+def _mode_seeking_t(finals: dict[str, list[tuple[float, float]]], optima: dict) -> list[float]:
+    """Statistics / thresholds of the mode-seeking test (each fails above 1).
+
+    For the reverse and forward fits: |t| of the mean final (mean, std) over independent seeds
+    against the optimum, t = (mean - optimum) / (sd / sqrt(k)), k finals; the reverse fit may
+    settle on either mode, so its mean parameter is taken in absolute value. Four two-sided
+    comparisons, Student's t at k - 1 degrees of freedom, Bonferroni at ``RATE``. Then the
+    detection that the pi-samples fit does not cover: its mean final std below the forward
+    optimum's, one-sided, as threshold / t.
+    """
+    threshold = t_for(RATE, 4, dof=len(finals["forward"]) - 1)
+    out = []
+    for fit in ("reverse", "forward"):
+        x = np.array(finals[fit])
+        if fit == "reverse":
+            x[:, 0] = np.abs(x[:, 0])
+        se = x.std(0, ddof=1) / math.sqrt(len(x))
+        out += [abs(x[:, i].mean() - optima[fit][i]) / se[i] / threshold for i in range(2)]
+    std = np.array(finals["pi-samples"])[:, 1]
+    t = (optima["forward"][1] - std.mean()) / (std.std(ddof=1) / math.sqrt(len(std)))
+    out.append(threshold / t if t > 0 else math.inf)
+    return out
+
+
+def _replicate_finals(seeds, steps: int, batch: int) -> dict[str, list[tuple[float, float]]]:
+    from klest.experiments import mode_seeking
+
+    kinds = dict(zip(("reverse", "forward", "pi-samples"), mode_seeking.FITS, strict=True))
+    return {
+        fit: [tuple(mode_seeking._fit(kind, steps, batch, s)["final"]) for s in seeds]
+        for fit, kind in kinds.items()
+    }
+
+
 def test_mode_seeking(tmp_path):
     """Fitted parameters against the optima computed here from the target's definition.
 
     Target: equal mixture of N(mode, mode_std^2). KL(ref||pi)'s optimum is moment matching:
     mean = mixture mean, std^2 = mode_std^2 + variance of the modes. KL(pi||ref)'s optimum
-    sits on one mode (computed by quadrature). Tolerance: Adam with a constant step and fresh
-    batches does not converge but jitters around the optimum; its stationary spread is
-    measured as the sd of the last 100 iterates of the same path, and the final iterate must
-    lie within Z = 4 such sds (measured at seeds 0-2: |final - optimum| <= 2.7 sds).
+    sits on one mode (computed by quadrature).
+
+    Tolerance: Adam with a constant step and fresh batches does not converge but jitters around
+    the optimum, so a final iterate is one draw from that jitter. Its spread is not that of the
+    last iterates of one path (they are autocorrelated: over 60 seeds the last 100 iterates'
+    sd underestimates the finals' sd by up to 35%), so it is measured on independent fits:
+    the experiment's final and those of ``REPLICATES`` more seeds (its ``_fit``, same steps and
+    batch). For the two fits and two parameters, the mean of these 10 finals must be within
+    t * sd / sqrt(10) of the optimum, t Student's at 9 degrees of freedom for ``RATE`` (6.3e-5)
+    over the 4 comparisons (Bonferroni, two-sided): 8.3. Measured over 60 seeds: the finals
+    are centred on the optima within 1.7 of their standard errors (sd of a final: reverse
+    0.014 / 0.011 in mean / std, forward 0.022 / 0.006), so shifts of 0.04 / 0.03 / 0.06 /
+    0.016 are detected.
+
+    The third fit, KL(ref||pi) from pi-samples, does not cover: its mean final std is below the
+    moment-matching std (2.09), one-sided. Its final std is 0.05-0.65 over 60 seeds (mean 0.15,
+    sd 0.15): t = 40 against 8.3. (That it ends below its initial std, 0.5, is not reliable:
+    5 of 60 seeds end above, up to 0.65.)
     """
     r = run_quick("mode-seeking", tmp_path)
     modes, mode_std = r["modes"], r["mode_std"]
-    mix_mean = sum(modes) / len(modes)
-    mix_std = math.sqrt(mode_std**2 + sum((m - mix_mean) ** 2 for m in modes) / len(modes))
-    fits = list(r["fits"].values())
-    reverse, forward, pi_samples = fits  # the order of the experiment's FITS
+    assert tuple(r["init"]) == (0.5, 0.5)
+    replicates = _replicate_finals(range(1, REPLICATES + 1), r["steps"], r["batch"])
+    finals = {
+        fit: [tuple(own["final"]), *replicates[fit]]
+        for fit, own in zip(replicates, r["fits"].values(), strict=True)  # the order of FITS
+    }
+    # Mode seeking (reverse): KL(pi||ref) settles on one mode; mass covering (forward):
+    # KL(ref||pi) from target samples reaches moment matching; pi-samples: it does not.
+    stats = _mode_seeking_t(finals, _optima(modes, mode_std))
+    assert max(stats) <= 1, (stats, finals)
 
-    def within(fit: dict, optimum: tuple[float, float]) -> list[bool]:
-        tail = np.array(fit["path"][-100:])
-        spread = tail.std(0)
-        return [abs(fit["final"][i] - optimum[i]) <= Z * spread[i] for i in range(2)]
 
-    # Mass covering: KL(ref||pi) from target samples reaches moment matching.
-    assert all(within(forward, (mix_mean, mix_std))), (forward["final"], mix_mean, mix_std)
-    # Mode seeking: KL(pi||ref) settles on one mode (either; the fit starts nearer the upper).
-    optimum = _reverse_kl_optimum(modes, mode_std)
-    m, s = reverse["final"]
-    assert all(within({**reverse, "final": (abs(m), s)}, optimum)), (reverse["final"], optimum)
-    # KL(ref||pi) from pi-samples: unbiased, but pi shrinks below its initial std instead of
-    # growing towards mix_std (module docstring: the ratio's variance is infinite there).
-    assert pi_samples["final"][1] < r["init"][1] < mix_std, (pi_samples["final"], r["init"])
+@pytest.mark.slow
+def test_mode_seeking_tolerance_holds_over_seeds():
+    """The mode-seeking test's computation at 20 seeds (seed s: the fits at s ... s + 9; fits
+    computed once per seed, so neighbouring seeds share 9 of 10 fits and the 20 verdicts are
+    correlated): no failure expected (20 x 6.3e-5 = 1.3e-3)."""
+    from klest.experiments import mode_seeking
+
+    steps, batch = 300, 256  # --quick
+    optima = _optima(list(mode_seeking.TARGET.means), mode_seeking.TARGET.std)
+    finals = _replicate_finals(range(20 + REPLICATES), steps, batch)
+    worst = [
+        max(_mode_seeking_t({k: v[s : s + REPLICATES + 1] for k, v in finals.items()}, optima))
+        for s in range(20)
+    ]
+    assert_failures_consistent(worst, 1.0, RATE, "mode seeking")

@@ -1,9 +1,12 @@
 """kl_penalty: every gradient estimator's mean against the exact gradients of both KLs.
 
-Statistical rule: z statistics of the squared distance between the mean gradient and a target
-(approximately N(0, 1) under the null, see ``klest.audit.mean_shift_z``) compared with Z = 4
-(one-sided false-fail rate 3e-5 per test); seeds are fixed. Deterministic facts (decouple,
-masks, values) are checked exactly.
+Statistical rule (``tests/_stats.py``): z statistics of the squared distance between the mean
+gradient and a target (approximately N(0, 1) under the null, see ``klest.audit.mean_shift_z``)
+compared with Z = 4 (one null comparison per test, one-sided: false-fail rate 3e-5), or with
+``z_for(RATE, 1, two_sided=False)`` = 3.83 (rate 6.3e-5); where a test asserts that a target is
+*rejected* (z > threshold), the expected z is far above it (each test says by how much where
+it is not obvious); seeds are fixed. Deterministic facts (decouple, masks, values) are checked
+exactly, values against the formulas of ``tests/_reference.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from klest.testbeds import (
     TabularAutoregressive,
     make_generator,
 )
-from tests._stats import Z
+from tests._reference import reduce_reference, values_reference
+from tests._stats import RATE, Z, assert_failures_consistent, z_for
 from tests._testbeds import make
 
 BOTH = ("pi||ref", "ref||pi")
@@ -61,15 +65,64 @@ UNBIASED = [
 ]
 
 
-@pytest.mark.parametrize(
-    ("testbed", "spec", "direction"),
-    [(n, s, d) for n, s, ds in UNBIASED for d in ds],
-    indirect=["testbed"],
-)
-def test_gradient_is_unbiased_for_the_claimed_kl(testbed, spec, direction):
-    audit = audit_grad(spec, testbed, direction=direction, batch_size=8, n_trials=600, seed=7)
-    assert audit.z_target <= Z, audit
-    assert audit.z_zero > Z, audit  # and it carries signal
+# Cases whose gradient draws have infinite fourth moments (on "gaussian" E_pi[r^k] is finite only
+# for k < 3.86) and a weak signal: the trace estimate behind z is erratic, so z_zero is not
+# reliably large (at 600 trials its minimum over 30 seeds is 2.0-4.6, mean - 4 sd below 0-1.6;
+# at 2400 trials k1/pathwise still reaches 2.5). They keep the null check (there conservative:
+# the largest z_target over 30 seeds is 2.4) and have a twin on "gaussian-wide" (r bounded)
+# that checks both.
+WEAK_SIGNAL = {
+    ("gaussian", "k1/pathwise", "ref||pi"),
+    ("gaussian", "k3/pathwise", "ref||pi"),
+    ("gaussian", "k3/autodiff", "pi||ref"),
+    ("gaussian", "k3/autodiff", "ref||pi"),
+    *(
+        ("gaussian-sf", spec, "ref||pi")
+        for spec in ("k3/score", "k3/score+loo", "k3/token", "k3/cumulative", "k3/cumulative+loo")
+    ),
+}
+GRADIENT_CASES = [(n, s, d) for n, s, ds in UNBIASED for d in ds] + [
+    (n.replace("gaussian", "gaussian-wide"), s, d) for n, s, d in sorted(WEAK_SIGNAL)
+]
+# One null comparison per case, one-sided (mean_shift_z is large when the mean is off): 3.83.
+Z_ONE_SIDED = z_for(RATE, 1, two_sided=False)
+
+
+def _unbiased_gradient_checks(name: str, spec: str, direction: str, seed: int) -> dict:
+    """z_target / threshold (fails above 1) and, unless the case is in ``WEAK_SIGNAL``,
+    threshold / z_zero (fails above 1)."""
+    audit = audit_grad(spec, make(name), direction=direction, batch_size=8, n_trials=600, seed=seed)
+    out = {"z_target": audit.z_target / Z_ONE_SIDED}
+    if (name, spec, direction) not in WEAK_SIGNAL:
+        out["z_zero"] = Z_ONE_SIDED / audit.z_zero
+    return out
+
+
+@pytest.mark.parametrize(("name", "spec", "direction"), GRADIENT_CASES)
+def test_gradient_is_unbiased_for_the_claimed_kl(name, spec, direction):
+    """z_target <= 3.83: one one-sided comparison at ``RATE`` (6.3e-5). And it carries signal,
+    z_zero > 3.83, outside ``WEAK_SIGNAL``: over 30 seeds each such case has mean(z_zero) -
+    4 sd(z_zero) >= 6.6 (median 8.4 to 89; rb's exact categorical gradients: inf)."""
+    checks = _unbiased_gradient_checks(name, spec, direction, seed=7)
+    assert all(v <= 1 for v in checks.values()), checks
+
+
+@pytest.mark.slow
+def test_gradient_checks_of_the_weak_signal_twins_hold_over_seeds():
+    """The cases the fix concerns, on "gaussian-wide" (k1/pathwise, the Chimera k3/pathwise
+    shares its draws), at 15 seeds each: no failure expected (45 x 6.3e-5 = 2.8e-3)."""
+    cases = [
+        ("gaussian-wide", "k1/pathwise", "ref||pi"),
+        ("gaussian-wide", "k3/autodiff", "ref||pi"),
+        ("gaussian-wide-sf", "k3/score", "ref||pi"),
+    ]
+    stats: dict[str, list[float]] = {}
+    for name, spec, direction in cases:
+        for seed in range(15):
+            for key, value in _unbiased_gradient_checks(name, spec, direction, seed).items():
+                stats.setdefault(f"{name} {spec} {direction} {key}", []).append(value)
+    for key, values in stats.items():
+        assert_failures_consistent(values, 1.0, RATE, key)
 
 
 @pytest.mark.parametrize("name", ["categorical", "tabular", "gaussian-sf"])
@@ -250,6 +303,12 @@ def test_forward_value_is_the_value_estimator(value, reduction):
         s.logp, s.logp_ref, estimator=value, mask=s.mask, reduction=reduction
     )
     assert torch.allclose(loss, expected, rtol=1e-12)
+    # And against the formula, written out independently of klest.
+    per_token = values_reference(
+        s.logp, s.logp_ref, estimator=value, direction="pi||ref", mask=s.mask
+    )
+    by_hand = reduce_reference(per_token, s.mask, reduction)
+    assert float(loss.detach()) == pytest.approx(by_hand, rel=1e-12, abs=1e-15)
 
 
 VALUE_CHOICES = [
@@ -315,6 +374,21 @@ def test_forward_value_is_kl_estimate_for_every_value_level_and_direction(
         s.logp, s.logp_ref, estimator=value, reduction="seq-mean-token-sum", **common
     )
     torch.testing.assert_close(loss, expected, rtol=1e-12, atol=1e-15)
+    # And against the formulas written out in tests/_reference.py (leave-one-out included).
+    reference = values_reference(
+        s.logp,
+        s.logp_ref,
+        estimator=value,
+        direction=direction,
+        alpha=alpha,
+        mask=s.mask,
+        level=level,
+        logp_behavior=s.logp_behavior,
+    )
+    by_row = reference.sum(-1) if level == "token" else reference
+    torch.testing.assert_close(details.per_sequence, by_row, rtol=1e-10, atol=1e-12)
+    nonempty = s.mask.any(-1)
+    torch.testing.assert_close(loss.detach(), by_row[nonempty].mean(), rtol=1e-10, atol=1e-12)
 
 
 def test_rb_value_for_ref_pi_weights_each_position_by_the_prefix_ratio():
