@@ -1,7 +1,6 @@
 """Named testbeds shared by the tests: each name is one fixed configuration.
 
-``make(name)`` builds a fresh one (their parameters are leaves that tests differentiate); the
-``testbed`` fixture of ``tests/conftest.py`` does the same for ``indirect`` parametrization.
+``make(name)`` builds a fresh one (their parameters are leaves that tests differentiate).
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
-"""Fixtures shared by the tests (helpers live in ``tests/_stats.py``, ``tests/_reference.py``
+"""Settings shared by the tests (helpers live in ``tests/_stats.py``, ``tests/_reference.py``
 and ``tests/_testbeds.py``)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
-
-from tests._stats import Z, assert_mean_close, max_rel_err  # noqa: F401 (until every test imports _stats)
-from tests._testbeds import make
 
 # Tests run as `pytest -n 2` on 2 cores: one intra-op thread per worker. More oversubscribes the
 # cores, and OpenMP's spinning makes small ops ~1000x slower (measured: log_softmax on a
 # [8, 4, 3] tensor took 8 ms with 2 threads under load, 9 us with 1).
 torch.set_num_threads(1)
-
-
-@pytest.fixture
-def testbed(request):
-    """A fresh named testbed: ``@pytest.mark.parametrize("testbed", [...], indirect=True)``."""
-    return make(request.param)

@@ -17,7 +17,7 @@ from klest.testbeds import (
     TabularAutoregressive,
     make_generator,
 )
-from tests.conftest import assert_mean_close
+from tests._stats import assert_mean_close
 
 DIRECTIONS = ("pi||ref", "ref||pi")
 

@@ -176,7 +176,7 @@ def diagnostics(
         mean = torch.where(counted, units, 0.0).sum() / n.clamp(min=1)
         var = torch.where(counted, (units - mean) ** 2, 0.0).sum() / (n - 1).clamp(min=1)
         stderr = torch.where(n > 1, (var / n.clamp(min=1)).sqrt(), math.nan)
-        frac_negative = (valid & (v < 0)).sum() / valid.sum().clamp(min=1)
+        frac_negative = (valid & (v < 0)).sum().double() / valid.sum().clamp(min=1).double()
         coef = math.nan if alpha is None else alpha.detach().double().mean()
         numbers = torch.stack(
             [
