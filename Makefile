@@ -39,7 +39,7 @@ docs-figures: $(STAMP)
 	done
 	$(PY) docs/figures.py runs
 
-LINTED := src tests benchmarks docs/conf.py docs/figures.py conftest.py
+LINTED := src tests benchmarks examples docs/conf.py docs/figures.py conftest.py
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)

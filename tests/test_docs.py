@@ -133,7 +133,7 @@ BINARY = (".png", ".jpg", ".svg", ".pyc", ".ico")
 
 def _user_facing_files() -> list[Path]:
     files = [ROOT / "README.md"]
-    for top in ("src", "docs"):
+    for top in ("src", "docs", "examples"):
         for path in sorted((ROOT / top).rglob("*")):
             parts = path.relative_to(ROOT).parts
             generated = any(p in GENERATED or p.endswith(".egg-info") for p in parts)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -61,12 +62,15 @@ def test_wheel_installs_and_imports_in_a_fresh_virtualenv(tmp_path):
         capture_output=True,
     )
     code = (
-        "import sys, torch, klest, klest.nn, klest.logits, klest.testbeds\n"
+        "import sys, torch, klest, klest.nn, klest.logits, klest.testbeds, klest.integrations\n"
         "assert klest.__file__.startswith(sys.prefix), klest.__file__\n"
         "logp = torch.tensor([[-1.0, -0.5]], requires_grad=True)\n"
         "klest.kl_penalty(logp, torch.tensor([[-1.2, -0.4]])).backward()\n"
         "assert 'matplotlib' not in sys.modules\n"
+        "assert not {'transformers', 'trl', 'verl', 'openrlhf'} & set(sys.modules)\n"
         "print('ok')\n"
     )
-    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True)
+    # Without the caller's PYTHONPATH, which could put a checkout's sources before the wheel.
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=clean)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
