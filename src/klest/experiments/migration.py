@@ -83,7 +83,16 @@ class Batch(NamedTuple):
 @dataclass(frozen=True)
 class KLCall:
     """One klest call on a :class:`Batch`: ``function`` (``"kl_penalty"`` or
-    ``"kl_from_logits"``) with the keyword ``options`` other than tensors and the reduction."""
+    ``"kl_from_logits"``) with the keyword ``options`` other than tensors and the reduction.
+
+    Example:
+      >>> call = KLCall("kl_penalty", (("estimator", "k3"), ("grad", "autodiff")))
+      >>> print(call.text("token-mean"))  # verl's default KL loss
+      kl_penalty(logp, logp_ref, mask=mask, estimator="k3", grad="autodiff",
+      reduction="token-mean")
+      >>> call.gradient_key()
+      'k3/autodiff'
+    """
 
     function: str
     options: tuple[tuple[str, Any], ...]
@@ -152,12 +161,12 @@ class KLCall:
         return est if self.direction == "pi||ref" else f"{est}, KL({self.direction})"
 
 
-def penalty(estimator: str, grad: str, **options: str) -> KLCall:
+def _penalty(estimator: str, grad: str, **options: str) -> KLCall:
     """A :func:`klest.kl_penalty` call."""
     return KLCall("kl_penalty", (("estimator", estimator), ("grad", grad), *options.items()))
 
 
-def exact(direction: str) -> KLCall:
+def _exact(direction: str) -> KLCall:
     """A :func:`klest.kl_from_logits` call (exact per-position KLs, autodiff)."""
     return KLCall("kl_from_logits", (("direction", direction),))
 
@@ -187,10 +196,10 @@ class PeerOption:
     note: str = ""
 
 
-RL_FIX = penalty("k3", "cumulative", baseline="loo")
-RL_FIX_K1 = penalty("k1", "cumulative", baseline="loo")
-DISTILL_FIX = penalty("rb", "rb")
-DISTILL_FIX_REF = penalty("rb", "rb", direction="ref||pi")
+RL_FIX = _penalty("k3", "cumulative", baseline="loo")
+RL_FIX_K1 = _penalty("k1", "cumulative", baseline="loo")
+DISTILL_FIX = _penalty("rb", "rb")
+DISTILL_FIX_REF = _penalty("rb", "rb", direction="ref||pi")
 _VERL_KL = "verl/trainer/ppo/core_algos.py (kl_penalty)"
 _OPENRLHF_KL = "openrlhf/models/utils.py (compute_approx_kl)"
 _SLIME_KL = "slime/utils/ppo_utils.py (compute_approx_kl)"
@@ -202,7 +211,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "TRL",
         "GRPOTrainer: beta > 0, use_bias_correction_kl=True (default)",
         "trl/trainer/grpo_trainer.py (GRPOTrainer._compute_loss)",
-        penalty("k3", "token"),
+        _penalty("k3", "token"),
         "token-mean",
         RL_FIX,
         "k3 times the ratio pi/pi_old, differentiable (1 on-policy); loss_type='dapo' (default)",
@@ -212,7 +221,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "TRL",
         "GRPOTrainer: beta > 0, use_bias_correction_kl=False",
         "trl/trainer/grpo_trainer.py (GRPOTrainer._compute_loss)",
-        penalty("k3", "autodiff"),
+        _penalty("k3", "autodiff"),
         "token-mean",
         RL_FIX,
     ),
@@ -221,7 +230,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "TRL",
         "RLOOTrainer: beta=0.05 (default)",
         "trl/trainer/rloo_trainer.py (k1 summed per sequence, in the reward)",
-        penalty("k1", "score", baseline="loo"),
+        _penalty("k1", "score", baseline="loo"),
         "seq-mean-token-sum",
         RL_FIX_K1,
         "leave-one-out baseline over the prompt's completions; normalize_advantages=False",
@@ -231,7 +240,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "TRL",
         "DistillationTrainer: beta=1.0 (default); GKDTrainer: beta=1.0",
         "trl/trainer/distillation_trainer.py; trl/experimental/gkd/gkd_trainer.py",
-        exact("pi||ref"),
+        _exact("pi||ref"),
         "token-mean",
         DISTILL_FIX,
         "on the student's samples (GKD: lmbda=1); GKD divides logits by temperature=0.9",
@@ -241,7 +250,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "TRL",
         "DistillationTrainer / GKDTrainer: beta=0.0",
         "trl/trainer/distillation_trainer.py; trl/experimental/gkd/gkd_trainer.py",
-        exact("ref||pi"),
+        _exact("ref||pi"),
         "token-mean",
         DISTILL_FIX_REF,
         "0 < beta < 1 is a generalized Jensen-Shannon divergence, not a KL",
@@ -251,7 +260,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "verl",
         "actor_rollout_ref.actor.use_kl_loss=True, kl_loss_type=low_var_kl (default) or k3",
         f"{_VERL_KL}; verl/workers/utils/losses.py",
-        penalty("k3", "autodiff"),
+        _penalty("k3", "autodiff"),
         "token-mean",
         RL_FIX,
         _CLAMP,
@@ -261,7 +270,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "verl",
         "use_kl_loss=True, kl_loss_type=kl or k1",
         _VERL_KL,
-        penalty("k1", "autodiff"),
+        _penalty("k1", "autodiff"),
         "token-mean",
         RL_FIX_K1,
     ),
@@ -270,7 +279,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "verl",
         "use_kl_loss=True, kl_loss_type=mse or k2 (also mse+, k2+)",
         _VERL_KL,
-        penalty("k2", "autodiff"),
+        _penalty("k2", "autodiff"),
         "token-mean",
         RL_FIX,
     ),
@@ -279,7 +288,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "verl",
         "use_kl_loss=True, kl_loss_type=abs",
         _VERL_KL,
-        penalty("abs", "autodiff"),
+        _penalty("abs", "autodiff"),
         "token-mean",
         RL_FIX,
     ),
@@ -288,7 +297,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "verl",
         "use_kl_loss=True, kl_loss_type=low_var_kl+ or k3+",
         _VERL_KL,
-        penalty("k3", "token"),
+        _penalty("k3", "token"),
         "token-mean",
         RL_FIX,
         "value of k3, gradient of k2 (straight-through); " + _CLAMP,
@@ -298,7 +307,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "verl",
         "use_kl_loss=True, kl_loss_type=kl+ or k1+",
         _VERL_KL,
-        penalty("k1", "token"),
+        _penalty("k1", "token"),
         "token-mean",
         RL_FIX_K1,
         "value of k1, gradient of k2 (straight-through)",
@@ -308,7 +317,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "verl",
         "algorithm.use_kl_in_reward=True, kl_penalty=kl, adv_estimator=rloo",
         "verl/trainer/ppo/ray_trainer.py (apply_kl_penalty); core_algos.py (rloo advantage)",
-        penalty("k1", "score", baseline="loo"),
+        _penalty("k1", "score", baseline="loo"),
         "token-mean",
         RL_FIX_K1,
     ),
@@ -317,7 +326,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "verl",
         "use_kl_in_reward=True, kl_penalty=kl, adv_estimator=grpo, norm_adv_by_std_in_grpo=False",
         "verl/trainer/ppo/ray_trainer.py (apply_kl_penalty); core_algos.py (grpo advantage)",
-        penalty("k1", "score", baseline="mean"),
+        _penalty("k1", "score", baseline="mean"),
         "token-mean",
         RL_FIX_K1,
         "the group mean includes the sample: gradient x (1 - 1/n); with the std division "
@@ -328,7 +337,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "OpenRLHF",
         "--algo.kl.use_loss --algo.kl.estimator k3",
         _OPENRLHF_KL,
-        penalty("k3", "autodiff"),
+        _penalty("k3", "autodiff"),
         "token-mean",
         RL_FIX,
         "clamps the log-ratio at -10 and k3 at 10, inactive here",
@@ -338,7 +347,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "OpenRLHF",
         "--algo.kl.use_loss (--algo.kl.estimator k1, the default)",
         _OPENRLHF_KL,
-        penalty("k1", "autodiff"),
+        _penalty("k1", "autodiff"),
         "token-mean",
         RL_FIX_K1,
     ),
@@ -347,7 +356,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "OpenRLHF",
         "--algo.kl.use_loss --algo.kl.estimator k2",
         _OPENRLHF_KL,
-        penalty("k2", "autodiff"),
+        _penalty("k2", "autodiff"),
         "token-mean",
         RL_FIX,
     ),
@@ -356,7 +365,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "OpenRLHF",
         "--algo.kl.use_loss --algo.kl.unbiased_gradient (estimator k3)",
         _OPENRLHF_KL,
-        penalty("k3", "token"),
+        _penalty("k3", "token"),
         "token-mean",
         RL_FIX,
         "on-policy; off-policy its weight is clipped and its value unweighted",
@@ -367,7 +376,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "KL in the reward (no --algo.kl.use_loss), --algo.advantage.estimator rloo, "
         "group_norm or dr_grpo",
         "openrlhf/trainer/ppo_utils/experience_maker.py; openrlhf/models/utils.py (compute_reward)",
-        penalty("k1", "cumulative"),
+        _penalty("k1", "cumulative"),
         "token-mean",
         RL_FIX_K1,
         "returns to go of -beta k1; the baselines apply to the outcome reward only",
@@ -377,7 +386,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "NeMo-RL",
         "loss_fn.reference_policy_kl_penalty=0.01, reference_policy_kl_type=k3 (defaults)",
         "nemo_rl/algorithms/loss/loss_functions.py (ClippedPGLossFn); nemo_rl/algorithms/utils.py",
-        penalty("k3", "token"),
+        _penalty("k3", "token"),
         "token-mean",
         RL_FIX,
         "k3 times exp(logp - sg(logp)); " + _CLAMP,
@@ -387,17 +396,17 @@ OPTIONS: tuple[PeerOption, ...] = (
         "slime",
         "--use-kl-loss (--kl-loss-type k1, the default)",
         f"{_SLIME_KL}; slime/backends/megatron_utils/loss.py",
-        penalty("k1", "autodiff"),
+        _penalty("k1", "autodiff"),
         "seq-mean-token-mean",
         RL_FIX_K1,
-        "slime sums the per-sample token means (a constant factor)",
+        "slime sums the per-sample token means: B times seq-mean-token-mean",
     ),
     PeerOption(
         "slime-k3",
         "slime",
         "--use-kl-loss --kl-loss-type low_var_kl or k3",
         f"{_SLIME_KL}; slime/backends/megatron_utils/loss.py",
-        penalty("k3", "autodiff"),
+        _penalty("k3", "autodiff"),
         "seq-mean-token-mean",
         RL_FIX,
     ),
@@ -406,7 +415,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "slime",
         "--use-kl-loss --use-unbiased-kl --kl-loss-type low_var_kl",
         f"{_SLIME_KL}; slime/backends/megatron_utils/loss.py",
-        penalty("k3", "token"),
+        _penalty("k3", "token"),
         "seq-mean-token-mean",
         RL_FIX,
         "k3 times the ratio pi/pi_old, differentiable",
@@ -416,17 +425,19 @@ OPTIONS: tuple[PeerOption, ...] = (
         "slime",
         "--kl-coef > 0 --advantage-estimator reinforce_plus_plus (--kl-loss-type k1)",
         "slime/utils/ppo_utils.py (get_reinforce_plus_plus_returns)",
-        penalty("k1", "cumulative"),
+        _penalty("k1", "cumulative"),
         "seq-mean-token-mean",
         RL_FIX_K1,
-        "returns to go of -beta k1 (gamma=1); unwhitened (--normalize-advantages off)",
+        "returns to go of -beta k1 (gamma=1), unwhitened (--normalize-advantages off); with "
+        "--advantage-estimator grpo (the default) the reward KL is computed but not used "
+        "(get_grpo_returns)",
     ),
     PeerOption(
         "slime-reward-rpp-baseline",
         "slime",
         "--kl-coef > 0 --advantage-estimator reinforce_plus_plus_baseline (--kl-loss-type k1)",
         "slime/utils/ppo_utils.py (get_reinforce_plus_plus_baseline_advantages)",
-        penalty("k1", "token"),
+        _penalty("k1", "token"),
         "seq-mean-token-mean",
         RL_FIX_K1,
         "each token's advantage has its own -beta k1 only",
@@ -436,7 +447,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "Tinker cookbook",
         "on-policy distillation: kl_penalty_coef=1.0, kl_discount_factor=0.0 (defaults)",
         "tinker_cookbook/distillation/train_on_policy.py (incorporate_kl_penalty)",
-        penalty("k1", "token"),
+        _penalty("k1", "token"),
         "sum",
         RL_FIX_K1,
         "advantage -beta k1 per token; the importance_sampling loss sums over tokens",
@@ -446,7 +457,7 @@ OPTIONS: tuple[PeerOption, ...] = (
         "Tinker cookbook",
         "on-policy distillation: kl_discount_factor=1.0",
         "tinker_cookbook/distillation/train_on_policy.py (incorporate_kl_penalty)",
-        penalty("k1", "cumulative"),
+        _penalty("k1", "cumulative"),
         "sum",
         RL_FIX_K1,
         "the advantage is the sum of -beta k1 from the token on",
@@ -470,7 +481,7 @@ AGGREGATIONS: tuple[tuple[str, str], ...] = (
 )
 
 
-def separated_testbed(start: int = 0) -> TabularAutoregressive:
+def _separated_testbed(start: int = 0) -> TabularAutoregressive:
     """The first random table from seed ``start`` on whose four exact gradients (sequence-level
     and token-local, both directions) differ pairwise by at least ``SEPARATION`` of the larger
     norm: where each verdict can tell the four apart."""
@@ -509,17 +520,17 @@ def _per_sequence(call: KLCall) -> Callable[[Sample], Tensor]:
     return _loss(call, "per-sequence")
 
 
-def z_for_kl(a: GradAudit, direction: str) -> float:
+def _z_for_kl(a: GradAudit, direction: str) -> float:
     """The audit's statistic for "the mean gradient is the exact gradient of KL(direction)"."""
     return a.z_target if a.direction == direction else a.z_other
 
 
-def gradient_verdict(seq: GradAudit, local: GradAudit, threshold: float) -> str:
+def _gradient_verdict(seq: GradAudit, local: GradAudit, threshold: float) -> str:
     """Which KL the mean gradient descends, from the audit against the sequence-level KLs
     (``seq``) and against the token-local ones (``local``): a statistic above ``threshold``
     rejects its hypothesis."""
     ok = {
-        (part, d): z_for_kl(a, d) <= threshold
+        (part, d): _z_for_kl(a, d) <= threshold
         for part, a in (("seq", seq), ("local", local))
         for d in ("pi||ref", "ref||pi")
     }
@@ -534,7 +545,7 @@ def gradient_verdict(seq: GradAudit, local: GradAudit, threshold: float) -> str:
     return "biased"
 
 
-def value_verdict(seq: ValueAudit, local: ValueAudit, threshold: float) -> str:
+def _value_verdict(seq: ValueAudit, local: ValueAudit, threshold: float) -> str:
     """What the value estimates: the KL, the token-level KL(ref||pi), or neither, with the
     measured bias relative to the KL (± its standard error); ``|z|`` above ``threshold`` rejects."""
     arrow = seq.direction.replace("||", "‖")
@@ -547,7 +558,7 @@ def value_verdict(seq: ValueAudit, local: ValueAudit, threshold: float) -> str:
 
 
 def _measure(config: RunConfig, bar: Any) -> dict[str, Any]:
-    testbed = separated_testbed()
+    testbed = _separated_testbed()
     local = testbed.token_local()
     trials = 300 if config.quick else 2000
     value_trials = 50 if config.quick else 500
@@ -564,7 +575,7 @@ def _measure(config: RunConfig, bar: Any) -> dict[str, Any]:
         seq = audit_grad(_loss(call), testbed, direction=call.direction, name=key, **common)
         tok = audit_grad(_loss(call), local, direction=call.direction, name=key, **common)
         gradients[key] = {
-            "verdict": gradient_verdict(seq, tok, z_grad),
+            "verdict": _gradient_verdict(seq, tok, z_grad),
             "sequence": _grad_summary(seq),
             "token_local": _grad_summary(tok),
         }
@@ -582,7 +593,7 @@ def _measure(config: RunConfig, bar: Any) -> dict[str, Any]:
         seq_v = audit_value(_per_sequence(call), testbed, **vcommon)
         tok_v = audit_value(_per_sequence(call), local, **vcommon)
         value_rows[key] = {
-            "verdict": value_verdict(seq_v, tok_v, z_value),
+            "verdict": _value_verdict(seq_v, tok_v, z_value),
             "sequence": seq_v.as_dict(),
             "token_local": tok_v.as_dict(),
         }
@@ -702,16 +713,19 @@ def _tables(m: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "The intended calls, measured the same way:",
+        "The intended calls, measured the same way (variance: the trace of the covariance of "
+        "one batch's gradient):",
         "",
         "| klest call | value estimates | gradient descends (measured) | z | "
-        "cos pi‖ref / ref‖pi | rel. err |",
-        "|---|---|---|---|---|---|",
+        "cos pi‖ref / ref‖pi | rel. err | variance |",
+        "|---|---|---|---|---|---|---|",
     ]
     for call in dict.fromkeys(o.intended for o in OPTIONS):
         g = m["gradients"][call.gradient_key()]
         v = m["values"][call.value_key()]["verdict"]
-        lines.append(f"| `{_esc(call.text())}` | {v} | {_measured(g)} |")
+        lines.append(
+            f"| `{_esc(call.text())}` | {v} | {_measured(g)} | {g['sequence']['variance']:.3f} |"
+        )
     lines += [
         "",
         f"Aggregations of the intended gradient (`{_esc(RL_FIX.text())}` with "
@@ -742,6 +756,7 @@ def _figure(m: dict[str, Any]) -> Any:
         (axes[0], "sequence", "sequence-level KLs"),
         (axes[1], "token_local", "token-local KLs"),
     ):
+        kind = "" if part == "sequence" else "token-local "
         for offset, (coef, label) in enumerate((("pi_ref", "pi‖ref"), ("ref_pi", "ref‖pi"))):
             xs = [m["gradients"][k][part][f"coef_{coef}"] or 0.0 for k in keys]
             es = [m["gradients"][k][part][f"coef_{coef}_se"] or 0.0 for k in keys]
@@ -751,7 +766,7 @@ def _figure(m: dict[str, Any]) -> Any:
                 xerr=[2 * e for e in es],
                 fmt="o",
                 ms=4,
-                label=f"coef on ∇KL({label})",
+                label=f"coef on ∇ {kind}KL({label})",
             )
         ax.axvline(0, color="k", lw=0.5)
         ax.axvline(1, color="k", lw=0.5, ls="--")
@@ -811,16 +826,4 @@ EXPERIMENT = Experiment(
     run=run,
 )
 
-__all__ = [
-    "EXPERIMENT",
-    "OPTIONS",
-    "Batch",
-    "KLCall",
-    "PeerOption",
-    "batch_of",
-    "exact",
-    "gradient_verdict",
-    "penalty",
-    "separated_testbed",
-    "value_verdict",
-]
+__all__ = ["EXPERIMENT", "OPTIONS", "Batch", "KLCall", "PeerOption", "batch_of"]
