@@ -7,7 +7,14 @@ from klest.experiments.runner import Experiment, Report, RunConfig, write_report
 
 def registry() -> dict[str, Experiment]:
     """All experiments by name (imported lazily: plotting libraries load only when needed)."""
-    from klest.experiments import chimera, control_variates, mode_seeking, pitfalls, schulman
+    from klest.experiments import (
+        chimera,
+        control_variates,
+        migration,
+        mode_seeking,
+        pitfalls,
+        schulman,
+    )
 
     experiments = [
         schulman.EXPERIMENT,
@@ -16,6 +23,7 @@ def registry() -> dict[str, Experiment]:
         pitfalls.EXPERIMENT,
         control_variates.EXPERIMENT,
         mode_seeking.EXPERIMENT,
+        migration.EXPERIMENT,
     ]
     return {e.name: e for e in experiments}
 

@@ -19,6 +19,14 @@ Two parameterizations:
 
 Exact gradients are autodiff of these exact computations. Used by the gradient-pitfalls experiments
 ("On a few pitfalls in KL divergence gradient estimation for RL", arXiv:2506.09477).
+
+Token-local KLs (:meth:`TabularAutoregressive.token_local_kl`) hold the prefix distribution fixed:
+
+.. math::
+    \sum_t E_{y_{<t}\sim \mathrm{sg}(\pi)}\, KL\big(\pi(\cdot|y_{<t})\,\|\,ref(\cdot|y_{<t})\big)
+
+(or :math:`KL(ref(\cdot|y_{<t})\|\pi(\cdot|y_{<t}))`, still with prefixes from pi), whose gradient
+is the per-position part alone: what per-token losses descend on average.
 """
 
 from __future__ import annotations
@@ -37,6 +45,11 @@ _MAX_ENUMERATED = 2_000_000
 
 def _identity(x: Tensor) -> Tensor:
     return x
+
+
+def _r_log_r(delta: Tensor) -> Tensor:
+    """``r log r`` with ``r = e^{-delta}``: its mean under pi is KL(ref||pi)."""
+    return torch.exp(-delta) * -delta
 
 
 class TabularAutoregressive(SampledTestbed):
@@ -220,17 +233,27 @@ class TabularAutoregressive(SampledTestbed):
             lb = torch.where(valid, lb, torch.zeros_like(lb))
         return la, lb, valid
 
-    def _expect_token_sum(self, table_a: Tensor, table_b: Tensor, fn) -> Tensor:
-        """``E_{y~a}[sum_t fn(log a(y_t|y<t) - log b(y_t|y<t))]``, exactly."""
+    def _expect_token_sum(
+        self, table_a: Tensor, table_b: Tensor, fn, *, frozen_prefix: bool = False
+    ) -> Tensor:
+        """``E_{y~a}[sum_t fn(log a(y_t|y<t) - log b(y_t|y<t))]``, exactly.
+
+        With ``frozen_prefix`` the value is the same but the probability of each prefix is a
+        constant: the gradient flows only through each position's own next-token distribution.
+        """
         if self.markov:
-            return self._markov_dp(table_a, table_b, fn)
+            return self._markov_dp(table_a, table_b, fn, frozen_prefix=frozen_prefix)
         la, lb, valid = self._enumerated_token_logprobs(table_a, table_b)
         per_token = fn(la - lb)
         if valid is not None:
             per_token = torch.where(valid, per_token, torch.zeros_like(per_token))
-        return (la.sum(-1).exp() * per_token.sum(-1)).sum()
+        seq_prob = la.sum(-1, keepdim=True).exp()
+        if not frozen_prefix:
+            return (seq_prob * per_token).sum()
+        # P(y) = P(y_<t) a(y_t|y_<t) P(y_>t|y_<=t): keep the graph of the middle factor only.
+        return (seq_prob.detach() * torch.exp(la - la.detach()) * per_token).sum()
 
-    def _markov_dp(self, table_a: Tensor, table_b: Tensor, fn) -> Tensor:
+    def _markov_dp(self, table_a: Tensor, table_b: Tensor, fn, *, frozen_prefix: bool) -> Tensor:
         v = self.vocab_size
         la = torch.log_softmax(table_a, -1)  # [T, V+1, V]
         lb = torch.log_softmax(table_b, -1)
@@ -242,7 +265,8 @@ class TabularAutoregressive(SampledTestbed):
             keep[self.eos] = 0.0  # sequences end after emitting eos
         for t in range(self.horizon):
             pa = la[t].exp()
-            total = total + (mass.unsqueeze(-1) * pa * fn(la[t] - lb[t])).sum()
+            weight = mass.detach() if frozen_prefix else mass
+            total = total + (weight.unsqueeze(-1) * pa * fn(la[t] - lb[t])).sum()
             nxt = (mass.unsqueeze(-1) * pa).sum(0) * keep
             mass = torch.cat([nxt, torch.zeros(1, dtype=la.dtype)])
         return total
@@ -252,6 +276,51 @@ class TabularAutoregressive(SampledTestbed):
         if direction == "pi||ref":
             return self._expect_token_sum(self.logits, self.logits_ref, _identity)
         return self._expect_token_sum(self.logits_ref, self.logits, _identity)
+
+    def token_local_kl(self, direction: str = "pi||ref") -> Tensor:
+        r"""The sum over positions of the next-token KLs, with the prefix distribution fixed.
+
+        .. math::
+            \sum_t E_{y_{<t}\sim \mathrm{sg}(\pi)}\, KL\big(\pi_t \| ref_t\big)
+            \quad\text{or}\quad
+            \sum_t E_{y_{<t}\sim \mathrm{sg}(\pi)}\, KL\big(ref_t \| \pi_t\big),
+
+        :math:`\pi_t = \pi(\cdot|y_{<t})`. The prefixes come from pi in both directions, and
+        their probabilities carry no gradient: the gradient is what per-token losses descend on
+        average (the mean of ``klest.kl_penalty(..., grad="token")`` for ``"pi||ref"``, of
+        autodiff of k3 for ``"ref||pi"``). For ``"pi||ref"`` the value equals
+        :meth:`exact_kl`; for ``"ref||pi"`` it is what per-token KL(ref||pi) estimates summed
+        over a sequence estimate, not the sequence-level KL(ref||pi). See "On a few pitfalls in
+        KL divergence gradient estimation for RL" by Yunhao Tang and Rémi Munos (2025,
+        https://arxiv.org/abs/2506.09477).
+
+        Args:
+          direction: ``"pi||ref"`` or ``"ref||pi"``.
+
+        Returns:
+          A scalar tensor, differentiable w.r.t. :meth:`parameters`.
+
+        Example:
+          >>> pi = TabularAutoregressive.random(3, 4, eos=2, seed=0)
+          >>> bool(torch.isclose(pi.token_local_kl("pi||ref"), pi.exact_kl("pi||ref")))
+          True
+          >>> bool(torch.isclose(pi.token_local_kl("ref||pi"), pi.exact_kl("ref||pi")))
+          False
+        """
+        check_direction(direction)
+        fn = _identity if direction == "pi||ref" else _r_log_r
+        return self._expect_token_sum(self.logits, self.logits_ref, fn, frozen_prefix=True)
+
+    def token_local(self) -> TokenLocalKL:
+        """This testbed with :meth:`token_local_kl` as its exact answers (same samples).
+
+        Example:
+          >>> pi = TabularAutoregressive.random(3, 4, eos=2, seed=0)
+          >>> local = pi.token_local()
+          >>> local.parameters()[0] is pi.logits
+          True
+        """
+        return TokenLocalKL(self)
 
     def expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
         with torch.no_grad():
@@ -275,3 +344,46 @@ class TabularAutoregressive(SampledTestbed):
         with torch.no_grad():
             la, lb, _ = self._enumerated_token_logprobs(self.logits, self.logits_ref)
             return (la.sum(-1).exp() * fn((la - lb).sum(-1))).sum()
+
+
+class TokenLocalKL(SampledTestbed):
+    """A tabular testbed's policies and samples, with its token-local KLs as the exact answers.
+
+    ``exact_kl`` (and so ``exact_kl_grad``) is
+    :meth:`TabularAutoregressive.token_local_kl`; everything else is the wrapped testbed's.
+    Auditing a gradient estimator against it (:func:`klest.audit_grad`) asks whether the
+    estimator descends a token-local KL instead of a sequence-level one.
+
+    Args:
+      testbed: the tabular testbed (shared, not copied: same parameters, same samples).
+
+    Example:
+      >>> pi = TabularAutoregressive.random(3, 4, eos=2, seed=0)
+      >>> local = TokenLocalKL(pi)
+      >>> bool(local.exact_kl("ref||pi") == pi.token_local_kl("ref||pi"))
+      True
+    """
+
+    name = "tabular-autoregressive, token-local"
+
+    def __init__(self, testbed: TabularAutoregressive) -> None:
+        if not isinstance(testbed, TabularAutoregressive):
+            raise TypeError(
+                f"testbed must be a TabularAutoregressive, got {type(testbed).__name__}"
+            )
+        self.testbed = testbed
+
+    def parameters(self) -> list[Tensor]:
+        return self.testbed.parameters()
+
+    def draw(self, n: int, *, generator: torch.Generator) -> Tensor:
+        return self.testbed.draw(n, generator=generator)
+
+    def evaluate(self, x: Tensor) -> Sample:
+        return self.testbed.evaluate(x)
+
+    def exact_kl(self, direction: str = "pi||ref") -> Tensor:
+        return self.testbed.token_local_kl(direction)
+
+    def expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
+        return self.testbed.expectation(fn)
