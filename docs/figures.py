@@ -19,6 +19,7 @@ FIGURES = {
     "pitfalls": ("gradient_bias_mse_vs_samples", "kl_minimization_curves"),
     "control-variates": ("heavy_tails",),
     "mode-seeking": ("fits",),
+    "migration": ("gradient_coefficients",),
 }
 OUT = Path(__file__).resolve().parent / "_static" / "experiments"
 MAX_WIDTH = 1100

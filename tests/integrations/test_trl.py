@@ -193,21 +193,34 @@ def test_grpo_trains_with_klests_kl_term_and_it_is_what_the_loss_adds(
     assert diff > 0.05 * size
 
 
-def test_grpo_with_kl_term_of_trl_shape_matches_trls_own_loss(tiny_lm, tmp_path):
-    """KLTerm(grad="autodiff", reduction="seq-mean-token-mean") reproduces TRL's k3 term.
+@pytest.mark.parametrize(
+    ("bias_correction", "grad"), [(True, "token"), (False, "autodiff")], ids=["ratio", "plain"]
+)
+def test_kl_term_can_reproduce_trls_own_loss_value_and_gradient(
+    tiny_lm, tmp_path, bias_correction, grad
+):
+    """TRL's k3 term is KLTerm(grad="token") with its importance ratio (use_bias_correction_kl,
+    the default) and KLTerm(grad="autodiff") without, at TRL's scale "seq-mean-token-mean".
 
     With loss_type="grpo" TRL averages each completion's tokens, then the completions; klest's
     sequence mean leaves empty completions out, so none is masked here.
     """
-    kl = KLTerm(estimator="k3", grad="autodiff", baseline=None, reduction="seq-mean-token-mean")
-    args = GRPOConfig(num_generations=2, loss_type="grpo", **_common_args(tmp_path))
-    ours = GRPOTrainer(
-        model=tiny_lm,
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=_prompts(),
-        processing_class=tokenizer(),
-        kl=kl,
+    kl = KLTerm(estimator="k3", grad=grad, baseline=None, reduction="seq-mean-token-mean")
+    args = GRPOConfig(
+        num_generations=2,
+        loss_type="grpo",
+        use_bias_correction_kl=bias_correction,
+        **_common_args(tmp_path),
+    )
+    ours = _perturbed(
+        GRPOTrainer(
+            model=tiny_lm,
+            reward_funcs=_reward,
+            args=args,
+            train_dataset=_prompts(),
+            processing_class=tokenizer(),
+            kl=kl,
+        )
     )
     seen = _record_batches(ours)
     with pytest.warns(klest.KLGradientWarning):
@@ -216,10 +229,15 @@ def test_grpo_with_kl_term_of_trl_shape_matches_trls_own_loss(tiny_lm, tmp_path)
     batch = seen[-1]
     from trl import GRPOTrainer as TRLGRPOTrainer
 
+    params = [p for p in ours.model.parameters() if p.requires_grad]
     with pytest.warns(klest.KLGradientWarning):
         got = ours._compute_loss(ours.model, batch)
     theirs = TRLGRPOTrainer._compute_loss(ours, ours.model, batch)
     torch.testing.assert_close(got, theirs, rtol=1e-5, atol=1e-7)
+    _assert_grads_close(
+        torch.autograd.grad(got, params, allow_unused=True),
+        torch.autograd.grad(theirs, params, allow_unused=True),
+    )
 
 
 def _zero_reward(completions, **_):

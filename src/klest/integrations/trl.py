@@ -1,11 +1,14 @@
 """klest's KL term inside TRL's trainers: change the import, name the KL you want.
 
-TRL's ``GRPOTrainer`` adds ``beta * k3`` per token to its loss and differentiates it: on tokens
-sampled from pi, that gradient descends the token-local KL(ref||pi), not the KL(pi||ref) the
-penalty is meant to hold down (Tang and Munos, "On a few pitfalls in KL divergence gradient
-estimation for RL", 2025, https://arxiv.org/abs/2506.09477). The trainers here are TRL's,
-with that one term replaced by :func:`klest.kl_penalty` (value and gradient estimators chosen
-apart, a leave-one-out baseline over the samples of each prompt)::
+TRL's ``GRPOTrainer`` adds ``beta * k3`` per token to its loss and differentiates it. With
+``use_bias_correction_kl=True`` (its default) k3 is multiplied by the ratio pi/pi_old, and the
+mean gradient is that of the *token-local* KL(pi||ref): each token's own KL with its prefix
+held fixed, missing each token's effect on the later ones, so biased for the sequence KL. With
+``use_bias_correction_kl=False`` it is the token-local gradient of KL(ref||pi), the other KL
+(Tang and Munos, "On a few pitfalls in KL divergence gradient estimation for RL", 2025,
+https://arxiv.org/abs/2506.09477). The trainers here are TRL's, with that one term replaced by
+:func:`klest.kl_penalty` (value and gradient estimators chosen apart, a leave-one-out baseline
+over the samples of each prompt)::
 
     from klest.integrations.trl import GRPOTrainer, KLTerm   # was: from trl import GRPOTrainer
 
@@ -77,8 +80,10 @@ class KLTerm:
     Attributes:
       estimator: the value (logged as ``kl``): ``"k1"``, ``"k2"``, ``"k3"`` (TRL's), ``"abs"``.
       grad: the gradient estimator: ``"cumulative"`` (default: the sequence KL's score
-        function with rewards-to-go), ``"score"``, ``"token"`` or ``"autodiff"`` (autodiff of
-        ``estimator``: TRL's own behaviour with ``"k3"``, kept for comparison).
+        function with rewards-to-go), ``"score"``, ``"token"`` (the token-local gradient: TRL's
+        own with ``use_bias_correction_kl=True``) or ``"autodiff"`` (autodiff of ``estimator``:
+        TRL's own with ``"k3"`` and ``use_bias_correction_kl=False``); the last two are kept
+        for comparison and warn.
       baseline: ``"loo"`` (default: over the samples of the same prompt in the micro-batch),
         ``"mean"`` or None.
       direction: ``"pi||ref"`` (the RLHF penalty) or ``"ref||pi"``.
