@@ -75,7 +75,7 @@ from klest.aggregation import (
     reduce_rows,
 )
 from klest.control_variates import AlphaEMA, fit_alpha
-from klest.logits.from_logits import position_kls
+from klest.logits.from_logits import position_kls as position_kls_from_logits
 from klest.sequence import prefix_weights
 
 Alpha = float | Tensor | AlphaFit | AlphaEMA
@@ -424,15 +424,34 @@ def exact_position_kls(
     logp: Tensor,
     lr: LogRatios,
     *,
+    position_kls: Tensor | None = None,
     direction: str,
     checks: ValueChecks,
     why: str,
 ) -> Tensor:
-    """The exact per-position KLs ``[rows, T]`` from logits ``logp.shape + (V,)``."""
+    """The exact per-position KLs ``[rows, T]``: from logits ``logp.shape + (V,)``, or given.
+
+    ``position_kls`` (``logp.shape``, e.g. from :func:`klest.kl_from_hidden` with
+    ``reduction="none"``) keeps its graph only where gradients are being recorded.
+    """
+    if position_kls is not None:
+        if logits is not None or logits_ref is not None:
+            raise ValueError("pass either position_kls or logits and logits_ref, not both")
+        check_float_tensor("position_kls", position_kls)
+        check_same_shape(logp=logp, position_kls=position_kls)
+        kls = position_kls if torch.is_grad_enabled() else position_kls.detach()
+        kls = as_rows(kls).to(lr.delta.dtype)
+        bad = ~torch.isfinite(kls)
+        checks.add(
+            bad if lr.valid is None else bad & lr.valid,
+            lambda flags: f"position_kls is NaN or infinite at {first_bad(flags)}",
+        )
+        return kls if lr.valid is None else torch.where(lr.valid, kls, 0.0)
     if logits is None or logits_ref is None:
         raise ValueError(
             f"{why} needs the full next-token distributions: pass logits and logits_ref "
-            f"(shape logp.shape + (V,) = {tuple(logp.shape)} + (V,))"
+            f"(shape logp.shape + (V,) = {tuple(logp.shape)} + (V,)), or their exact "
+            "per-position KLs as position_kls"
         )
     for name, t in (("logits", logits), ("logits_ref", logits_ref)):
         check_float_tensor(name, t, what="logits")
@@ -442,7 +461,9 @@ def exact_position_kls(
                 "plus a vocabulary dimension"
             )
     keep = None if lr.valid is None else lr.valid.reshape(logp.shape)
-    kls = position_kls(logits, logits_ref, direction=direction, keep=keep, checks=checks)
+    kls = position_kls_from_logits(
+        logits, logits_ref, direction=direction, keep=keep, checks=checks
+    )
     return as_rows(kls).to(lr.delta.dtype)
 
 
@@ -460,6 +481,7 @@ def kl_estimate(
     logp_behavior: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    position_kls: Tensor | None = None,
     density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
@@ -502,6 +524,9 @@ def kl_estimate(
       logp_behavior: log behavior of the samples when they were not drawn from pi.
       logits: for ``"rb"``: pi's next-token logits along the samples, ``logp.shape + (V,)``.
       logits_ref: for ``"rb"``: ref's, same shape.
+      position_kls: for ``"rb"``, instead of the logits: the exact per-position KLs
+        (``logp.shape``, in ``direction``), e.g. :func:`klest.kl_from_hidden` with
+        ``reduction="none"``.
       density: the inputs are log-densities of continuous samples (VAEs, VI), which may exceed
         0; for discrete samples (tokens) a log-prob above 0 is an error.
       validate: run the value checks (NaN, log-probs above 0, ...); None: the global default
@@ -541,10 +566,17 @@ def kl_estimate(
     kls = None
     if estimator == "rb":
         kls = exact_position_kls(
-            logits, logits_ref, logp, lr, direction=direction, checks=checks, why="estimator 'rb'"
+            logits,
+            logits_ref,
+            logp,
+            lr,
+            position_kls=position_kls,
+            direction=direction,
+            checks=checks,
+            why="estimator 'rb'",
         )
-    elif logits is not None or logits_ref is not None:
-        raise ValueError(f"logits apply only to estimator='rb', not {estimator!r}")
+    elif logits is not None or logits_ref is not None or position_kls is not None:
+        raise ValueError(f"logits and position_kls apply only to estimator='rb', not {estimator!r}")
     est = estimate_rows(
         lr,
         estimator=estimator,

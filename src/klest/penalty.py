@@ -433,6 +433,7 @@ def kl_penalty(
     logp_behavior: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    position_kls: Tensor | None = None,
     logp_stl: Tensor | None = None,
     density: bool = False,
     validate: bool | None = None,
@@ -487,6 +488,10 @@ def kl_penalty(
         always). With ``grad="rb"`` the exact KLs' gradient is written during the forward pass,
         so the loss can be backpropagated once.
       logits_ref: ref's, same shape.
+      position_kls: instead of ``logits`` / ``logits_ref``: the exact per-position KLs
+        ``logp.shape`` in ``direction``, with their graph (e.g. :func:`klest.kl_from_hidden`
+        with ``reduction="none"`` and the same mask: the fused LM heads, no ``[..., V]``
+        tensor). With ``grad="rb"`` they are backpropagated through as given.
       logp_stl: for ``grad="stl"``: log pi of the samples with pi's distribution parameters
         stopped (x itself still differentiable).
       density: the inputs are log-densities of continuous samples, which may exceed 0 (implied
@@ -549,6 +554,7 @@ def kl_penalty(
                 logits_ref,
                 logp,
                 lr,
+                position_kls=position_kls,
                 direction=direction,
                 checks=checks,
                 why=f"estimator={estimator!r} / grad={grad!r}",
@@ -563,7 +569,14 @@ def kl_penalty(
         stl = as_rows(logp_stl).to(lr.delta.dtype) - as_rows(logp_ref).to(lr.delta.dtype)
         stl_delta = stl if lr.valid is None else torch.where(lr.valid, stl, 0.0)
     _warn_about_gradient(
-        est, estimator, direction, reparameterized, logp, logp_ref, logits, logp_stl
+        est,
+        estimator,
+        direction,
+        reparameterized,
+        logp,
+        logp_ref,
+        logits if logits is not None else position_kls,
+        logp_stl,
     )
 
     # The value passes no gradient (decouple detaches it) unless it is the gradient (autodiff).

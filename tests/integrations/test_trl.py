@@ -1,0 +1,380 @@
+"""klest inside TRL's trainers, end to end on CPU: a tiny LM built from a config, a toy reward.
+
+Each trainer trains for a few steps with gradient accumulation 2 and truncated completions
+masked out; on a batch the trainer saw, the term it adds to TRL's policy loss is checked,
+value and gradient, against klest computed here from an independent forward pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import klest
+
+pytest.importorskip("trl", reason="the klest[trl] extra (installed by make test)")
+datasets = pytest.importorskip("datasets")
+
+from trl import DistillationConfig, GRPOConfig, RLOOConfig  # noqa: E402
+
+from klest.integrations.trl import (  # noqa: E402
+    DistillationTrainer,
+    GRPOTrainer,
+    KLTerm,
+    RLOOTrainer,
+)
+from tests.integrations._tiny_lm import save_tiny_lm, tokenizer  # noqa: E402
+
+BETA = 0.1
+ACCUMULATION = 2
+
+
+@pytest.fixture(scope="module")
+def tiny_lm(tmp_path_factory):
+    return save_tiny_lm(tmp_path_factory.mktemp("policy"), seed=0)
+
+
+def _prompts():
+    return datasets.Dataset.from_dict({"prompt": ["a b", "c d e", "f", "g h"] * 4})
+
+
+def _reward(completions, **_):
+    return [c.count("a") / 6 for c in completions]
+
+
+def _common_args(tmp_path) -> dict:
+    return dict(
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        max_completion_length=6,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=2,
+        beta=BETA,
+        report_to="none",
+        use_cpu=True,
+        logging_steps=1,
+        save_strategy="no",
+        learning_rate=1e-2,
+        seed=0,
+        # TRL defaults to bf16 autocast; the reference forward passes here are float32.
+        bf16=False,
+    )
+
+
+def _record_batches(trainer) -> list[dict]:
+    """Wrap the trainer's loss so the micro-batches it trains on are kept."""
+    seen: list[dict] = []
+    inner = trainer._compute_loss
+
+    def recording(*args):
+        seen.append(dict(args[-1]) if len(args) == 2 else dict(args[1]))
+        return inner(*args)
+
+    trainer._compute_loss = recording
+    return seen
+
+
+def _completion_logps(model, batch, temperature: float = 1.0) -> torch.Tensor:
+    """log pi(y_t | y_<t) of the completion tokens, from one plain forward pass."""
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    n = batch["completion_ids"].shape[1]
+    logits = model(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1] / temperature
+    return logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+
+
+def _groups_by_hand(batch) -> torch.Tensor:
+    ids: dict[tuple, int] = {}
+    rows = [
+        tuple(t for t, m in zip(p.tolist(), mk.tolist(), strict=True) if m)
+        for p, mk in zip(batch["prompt_ids"], batch["prompt_mask"], strict=True)
+    ]
+    return torch.tensor([ids.setdefault(r, len(ids)) for r in rows])
+
+
+def _kl_added_to_the_loss(trainer, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The trainer's loss minus TRL's own with beta = 0, and that difference's gradient."""
+    model = trainer.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    full = trainer._compute_loss(model, batch)
+    beta, trainer.beta = trainer.beta, 0.0
+    try:
+        policy_only = trainer._compute_loss(model, batch)
+    finally:
+        trainer.beta = beta
+    added = full - policy_only
+    return added.detach(), list(torch.autograd.grad(added, params, allow_unused=True))
+
+
+def _expected_term(trainer, batch, kl: KLTerm, scale: float):
+    model = trainer.model
+    params = [p for p in model.parameters() if p.requires_grad]
+    logp = _completion_logps(model, batch)
+    term = (
+        BETA
+        * scale
+        * klest.kl_penalty(
+            logp,
+            batch["ref_per_token_logps"],
+            mask=batch["completion_mask"].bool(),
+            estimator=kl.estimator,
+            grad=kl.grad,
+            baseline=kl.baseline,
+            group=_groups_by_hand(batch),
+            direction=kl.direction,
+            reduction=kl.reduction,
+            logp_behavior=batch.get("old_per_token_logps"),
+        )
+    )
+    return term.detach(), list(torch.autograd.grad(term, params, allow_unused=True))
+
+
+def _assert_grads_close(got, expected):
+    for g, e in zip(got, expected, strict=True):
+        if e is None:
+            assert g is None or torch.count_nonzero(g) == 0
+        else:
+            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_grpo_trains_with_klests_kl_term_and_it_is_what_the_loss_adds(
+    tiny_lm, tmp_path, num_iterations
+):
+    """num_iterations=2 reuses each generation batch: the samples are off-policy the second time
+    (TRL keeps the sampling policy's log-probs, which klest takes as logp_behavior)."""
+    kl = KLTerm(estimator="k3", grad="cumulative", baseline="loo")
+    args = GRPOConfig(
+        num_generations=2,
+        num_iterations=num_iterations,
+        mask_truncated_completions=True,
+        **_common_args(tmp_path),
+    )
+    trainer = GRPOTrainer(
+        model=tiny_lm,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=_prompts(),
+        processing_class=tokenizer(),
+        kl=kl,
+    )
+    _perturbed(trainer)
+    seen = _record_batches(trainer)
+    trainer.train()
+    assert len(seen) == 2 * ACCUMULATION
+    logged = [h["kl"] for h in trainer.state.log_history if "kl" in h]
+    assert len(logged) == 2 and all(v == v and v >= 0.0 for v in logged)  # k3 is >= 0, not NaN
+
+    trainer.model.train()
+    batch = seen[-1]
+    assert ("old_per_token_logps" in batch) == (num_iterations > 1)
+    got, got_grads = _kl_added_to_the_loss(trainer, batch)
+    expected, expected_grads = _expected_term(
+        trainer, batch, kl, scale=1 / trainer.current_gradient_accumulation_steps
+    )
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    _assert_grads_close(got_grads, expected_grads)
+
+    # ... and it is not TRL's own term (k3 differentiated as a per-token loss).
+    model = trainer.model
+    logp = _completion_logps(model, batch)
+    mask = batch["completion_mask"].bool()
+    log_r = batch["ref_per_token_logps"] - logp
+    trl_k3 = torch.where(mask, log_r.exp() - log_r - 1, 0.0)
+    trl_term = BETA * (trl_k3.sum(-1) / mask.sum(-1).clamp(min=1)).mean() / ACCUMULATION
+    params = [p for p in model.parameters() if p.requires_grad]
+    trl_grads = torch.autograd.grad(trl_term, params, allow_unused=True)
+    size = sum(float(g.abs().sum()) for g in got_grads if g is not None)
+    diff = sum(
+        float((g - t).abs().sum())
+        for g, t in zip(got_grads, trl_grads, strict=True)
+        if t is not None
+    )
+    assert diff > 0.05 * size
+
+
+def test_grpo_with_kl_term_of_trl_shape_matches_trls_own_loss(tiny_lm, tmp_path):
+    """KLTerm(grad="autodiff", reduction="seq-mean-token-mean") reproduces TRL's k3 term.
+
+    With loss_type="grpo" TRL averages each completion's tokens, then the completions; klest's
+    sequence mean leaves empty completions out, so none is masked here.
+    """
+    kl = KLTerm(estimator="k3", grad="autodiff", baseline=None, reduction="seq-mean-token-mean")
+    args = GRPOConfig(num_generations=2, loss_type="grpo", **_common_args(tmp_path))
+    ours = GRPOTrainer(
+        model=tiny_lm,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=_prompts(),
+        processing_class=tokenizer(),
+        kl=kl,
+    )
+    seen = _record_batches(ours)
+    with pytest.warns(klest.KLGradientWarning):
+        ours.train()
+    ours.model.train()
+    batch = seen[-1]
+    from trl import GRPOTrainer as TRLGRPOTrainer
+
+    with pytest.warns(klest.KLGradientWarning):
+        got = ours._compute_loss(ours.model, batch)
+    theirs = TRLGRPOTrainer._compute_loss(ours, ours.model, batch)
+    torch.testing.assert_close(got, theirs, rtol=1e-5, atol=1e-7)
+
+
+def _zero_reward(completions, **_):
+    return [0.0 for _ in completions]
+
+
+def _perturbed(trainer, seed: int = 0):
+    """Move the policy away from the reference, so the KL and its gradient are not zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return trainer
+
+
+def _rloo(cls, tiny_lm, tmp_path, **kwargs):
+    args = RLOOConfig(num_generations=2, mask_truncated_completions=True, **_common_args(tmp_path))
+    return _perturbed(
+        cls(
+            model=tiny_lm,
+            reward_funcs=_zero_reward,
+            args=args,
+            train_dataset=_prompts(),
+            processing_class=tokenizer(),
+            **kwargs,
+        )
+    )
+
+
+def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path):
+    kl = KLTerm()
+    trainer = _rloo(RLOOTrainer, tiny_lm, tmp_path, kl=kl)
+    seen = _record_batches(trainer)
+    trainer.train()
+    assert len(seen) == 2 * ACCUMULATION
+    assert trainer.beta == BETA  # restored after each scoring step
+    # The task reward is 0, so without a KL in the reward every advantage is 0 ...
+    assert all(torch.count_nonzero(b["advantages"]) == 0 for b in seen)
+    batch = seen[-1]
+    trainer.model.train()
+    got, got_grads = _kl_added_to_the_loss(trainer, batch)
+    expected, expected_grads = _expected_term(trainer, batch, kl, scale=1.0)
+    assert float(expected) > 0.0
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+    _assert_grads_close(got_grads, expected_grads)
+
+
+def test_trls_own_rloo_puts_the_kl_in_the_reward(tiny_lm, tmp_path):
+    """... while TRL's RLOO, on the same set-up, gives advantages from its k1 reward penalty."""
+    from trl import RLOOTrainer as TRLRLOOTrainer
+
+    trainer = _rloo(TRLRLOOTrainer, tiny_lm, tmp_path)
+    seen = _record_batches(trainer)
+    trainer.train()
+    assert any(torch.count_nonzero(b["advantages"]) > 0 for b in seen)
+
+
+def _distillation_trainer(tiny_lm, tmp_path, **kwargs):
+    teacher = save_tiny_lm(tmp_path / "teacher", seed=1)
+    common = _common_args(tmp_path)
+    beta = kwargs.pop("beta", 1.0)
+    common.update(beta=beta)
+    args = DistillationConfig(**common)
+    return DistillationTrainer(
+        model=tiny_lm,
+        teacher_model=teacher,
+        args=args,
+        train_dataset=_prompts(),
+        processing_class=tokenizer(),
+        **kwargs,
+    )
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.0])
+def test_distillation_loss_is_the_exact_kl_from_materialized_logits(tiny_lm, tmp_path, beta):
+    trainer = _distillation_trainer(tiny_lm, tmp_path, beta=beta)
+    seen = _record_batches(trainer)
+    trainer.train()
+    batch = seen[-1]
+    student, teacher = trainer.model, trainer.teacher_model
+    loss, _, n_valid = trainer._compute_loss(student, batch, None)
+
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    n = batch["completion_ids"].shape[1]
+    logits = student(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
+    with torch.no_grad():
+        logits_t = teacher(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
+    mask = batch["completion_mask"].bool()
+    logq, logq_t = logits.log_softmax(-1), logits_t.log_softmax(-1)
+    if beta == 1.0:  # KL(student || teacher)
+        per_position = (logq.exp() * (logq - logq_t)).sum(-1)
+    else:  # KL(teacher || student)
+        per_position = (logq_t.exp() * (logq_t - logq)).sum(-1)
+    expected = torch.where(mask, per_position, 0.0).sum() / mask.sum().clamp(min=1)
+    assert int(n_valid) == int(mask.sum())
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    params = [p for p in student.parameters() if p.requires_grad]
+    _assert_grads_close(
+        torch.autograd.grad(loss, params, allow_unused=True),
+        torch.autograd.grad(expected, params, allow_unused=True),
+    )
+
+
+def test_distillation_sequence_level_adds_the_future_kl_score_term(tiny_lm, tmp_path):
+    trainer = _distillation_trainer(tiny_lm, tmp_path, sequence_level=True)
+    seen = _record_batches(trainer)
+    trainer.train()
+    batch = seen[-1]
+    student, teacher = trainer.model, trainer.teacher_model
+    loss, _, _ = trainer._compute_loss(student, batch, None)
+
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
+    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
+    n = batch["completion_ids"].shape[1]
+    logits = student(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
+    with torch.no_grad():
+        logits_t = teacher(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
+    mask = batch["completion_mask"].bool()
+    tokens = batch["completion_ids"]
+    logp = logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    logp_t = logits_t.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    # By hand: sum_t KL_t + sum_t log pi(y_t) * sg(sum_{s>t} KL_s), over the valid tokens.
+    logq, logq_t = logits.log_softmax(-1), logits_t.log_softmax(-1)
+    kl = torch.where(mask, (logq.exp() * (logq - logq_t)).sum(-1), 0.0)
+    future = kl.detach().flip(-1).cumsum(-1).flip(-1) - kl.detach()
+    surrogate = kl + torch.where(mask, logp, 0.0) * future
+    by_hand = surrogate - surrogate.detach() + kl.detach()
+    expected = by_hand.sum() / mask.sum().clamp(min=1)
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    params = [p for p in student.parameters() if p.requires_grad]
+    _assert_grads_close(
+        torch.autograd.grad(loss, params, allow_unused=True),
+        torch.autograd.grad(expected, params, allow_unused=True),
+    )
+    assert logp_t.shape == logp.shape
+
+
+def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
+    with pytest.raises(ValueError, match="grad"):
+        KLTerm(grad="pathwise")
+    with pytest.raises(ValueError, match="baseline applies"):
+        KLTerm(grad="token", baseline="loo")
+    with pytest.raises(ValueError, match="reduction"):
+        KLTerm(reduction="none")
+    with pytest.raises(TypeError, match="KLTerm"):
+        GRPOTrainer(
+            model=tiny_lm,
+            reward_funcs=_reward,
+            args=GRPOConfig(num_generations=2, **_common_args(tmp_path)),
+            train_dataset=_prompts(),
+            processing_class=tokenizer(),
+            kl={"estimator": "k3"},
+        )
+    with pytest.raises(ValueError, match="generalized JSD"):
+        _distillation_trainer(tiny_lm, tmp_path, beta=0.5)
+    with pytest.raises(ValueError, match="sequence_level"):
+        _distillation_trainer(tiny_lm, tmp_path, beta=0.0, sequence_level=True)
