@@ -17,6 +17,7 @@ from torch import Tensor
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import klest
+from _common import parser
 from klest.integrations.hf import CompletionBatch, completion_batch_from_model, group_ids
 
 VOCAB = 32
@@ -172,25 +173,22 @@ def tail_mean(values: list[float], fraction: float = 0.2) -> float:
     return sum(values[-k:]) / k
 
 
-def head_mean(values: list[float], fraction: float = 0.2) -> float:
-    k = max(1, int(len(values) * fraction))
-    return sum(values[:k]) / k
+def head_mean(values: list[float], count: int = 3) -> float:
+    """Mean of the first ``count`` values."""
+    return sum(values[:count]) / len(values[:count])
 
 
 def parse_args(doc: str, *, quick_steps: int, full_steps: int) -> argparse.Namespace:
-    """``--quick`` / ``--steps N`` / ``--seed S``; ``args.steps`` is resolved."""
-    parser = argparse.ArgumentParser(
-        description=doc.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--quick", action="store_true", help=f"{quick_steps} steps (< 30 s)")
-    parser.add_argument("--steps", type=int, default=None, help=f"default {full_steps}")
-    parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    """``--quick`` / ``--seed S`` (``_common.parser``) and ``--steps N`` (training steps per
+    run); ``args.steps`` is resolved."""
+    p = parser(doc, quick=f"{quick_steps} steps per run")
+    p.add_argument("--steps", type=int, default=None, help=f"steps per run (default {full_steps})")
+    args = p.parse_args()
     if args.steps is None:
         args.steps = quick_steps if args.quick else full_steps
     if args.steps < 2:
-        parser.error("--steps must be at least 2")
-    torch.set_num_threads(1)  # tiny tensors: threads only add overhead (and nondeterminism)
+        p.error("--steps must be at least 2")
+    torch.set_num_threads(1)  # tiny tensors: threads only add overhead
     return args
 
 

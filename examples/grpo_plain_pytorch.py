@@ -1,23 +1,35 @@
 """GRPO in plain PyTorch with klest's KL penalty: a tiny Llama learns to emit a target token,
 and the KL penalty keeps it near its frozen initial copy.
 
-Each step samples G = 4 completions for each of 8 prompts with ``model.generate`` (prompts
-left-padded), takes the completions' log-probs response-aligned with
-``klest.integrations.hf.completion_batch_from_model``, and minimizes
+The policy is a ``transformers.LlamaForCausalLM`` built from a config (vocabulary 32, nothing
+downloaded), ref its frozen initial copy. Each step samples G = 4 completions of up to 8 tokens
+for each of 8 prompts with ``model.generate`` (prompts left-padded; a completion ends at its
+first eos), scores them (task reward: the number of target tokens over 8), takes their
+log-probs response-aligned with ``klest.integrations.hf.completion_batch_from_model``, and
+minimizes
 
     GRPO policy-gradient loss + beta * klest.kl_penalty(logp, logp_ref, mask=mask,
         estimator="k3", grad="cumulative", baseline="loo", group=group_ids(B, num_generations=G))
 
 k3's value (what TRL and verl log), with the gradient of the sequence-level KL(pi||ref)
 ("cumulative": each token's score times the log-ratios from it on; leave-one-out baseline within
-each prompt's samples). The same run with beta = 0 (same initial model, same seed) is the
-comparison. The table prints each run's task reward (the fraction of completion tokens equal to
-the target) and KL(pi||ref): the exact per-position KLs summed along the samples
-(``klest.kl_from_logits``), an unbiased estimate of the sequence KL. The script exits with
-status 1 unless, with the penalty, the reward rose and the KL ended below half of beta = 0's.
+each prompt's samples; "On a few pitfalls in KL divergence gradient estimation for RL" by
+Yunhao Tang and Rémi Munos, 2025, https://arxiv.org/abs/2506.09477). The same run with beta = 0
+(same initial model and seed) is the comparison. The table prints each run's task reward and
+KL(pi||ref): the exact per-position KLs summed along the step's samples
+(``klest.kl_from_logits``), an unbiased estimate of the sequence KL.
 
-Run:  python examples/grpo_plain_pytorch.py [--quick] [--steps N] [--seed S]
-      (--quick: 60 steps per run, well under 30 s on 2 CPU cores)
+Measured (beta = 0.04; rewards: mean of the first 3 steps -> of the last 20%):
+
+- ``--quick`` (60 steps), seeds 0, 1, 2: reward 0.025 -> 0.180, 0.039 -> 0.179,
+  0.048 -> 0.180, KL 2.03, 2.02, 1.76 nats; with beta = 0 the policy emits only the target
+  (reward 1.000) at KL 29.30, 29.14, 28.04 nats.
+- full (300 steps), seed 0: reward 0.175 at KL 1.73 nats; beta = 0: 29.31 nats.
+
+Exits with code 1 unless, with the penalty, the reward rose by more than 0.03 and the final KL
+is below half of beta = 0's (deterministic for a seed; the margins above are wide).
+
+Run: ``python examples/grpo_plain_pytorch.py [--quick] [--steps N] [--seed S]``.
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ import torch
 from _tiny_lm import Clock, head_mean, parse_args, print_table, tail_mean, train
 
 import klest
+from _common import finish
 
 BETA = 0.04
 
@@ -65,25 +78,19 @@ def main() -> int:
     print(f"GRPO on a tiny Llama (8 prompts x 4 samples per step), seed {args.seed}")
     print_table(runs, stride=max(1, args.steps // 15))
     free, penalized = runs["beta=0"], runs[f"beta={BETA:g}"]
-    start, end = head_mean(penalized.reward, 0.05), tail_mean(penalized.reward)
+    start, end = head_mean(penalized.reward), tail_mean(penalized.reward)
     kl_free, kl_pen = tail_mean(free.kl), tail_mean(penalized.kl)
-    print(
-        f"with beta={BETA:g}: reward {start:.3f} -> {end:.3f}, final KL(pi||ref) {kl_pen:.2f} "
-        f"nats; with beta=0: reward {tail_mean(free.reward):.3f}, KL {kl_free:.2f} nats "
-        f"(means over the first 5% / last 20% of the steps); {clock}"
+    print(f"(rewards and KLs: means over the first 3 / last 20% of the steps; {clock})")
+    failures = []
+    if not end > start + 0.03:
+        failures.append(f"with the penalty the reward did not rise ({start:.3f} -> {end:.3f})")
+    if not kl_pen < 0.5 * kl_free:
+        failures.append(f"KL(pi||ref) {kl_pen:.2f} is not below half of beta=0's {kl_free:.2f}")
+    return finish(
+        f"with beta={BETA:g} the reward rose {start:.3f} -> {end:.3f} while KL(pi||ref) stayed at "
+        f"{kl_pen:.2f} nats (beta=0: {kl_free:.2f} nats, reward {tail_mean(free.reward):.3f})",
+        failures,
     )
-    rose, restrained = end > start + 0.03, kl_pen < 0.5 * kl_free
-    if rose and restrained:
-        print(
-            "conclusion: with the KL penalty the reward rose and KL(pi||ref) stayed far below "
-            "beta=0's"
-        )
-        return 0
-    print(
-        "conclusion: FAILED: "
-        + ("the reward did not rise" if not rose else "the KL was not restrained")
-    )
-    return 1
 
 
 if __name__ == "__main__":

@@ -1,28 +1,40 @@
 """The KL in the reward (PPO-style reward shaping) with ``klest.rewards.kl_reward``: a tiny Llama
-learns to emit a target token, and the KL reward keeps KL(pi||ref) far smaller than without it.
+learns to emit a target token, and a k1 KL reward keeps KL(pi||ref) far smaller than without it;
+a k3 KL reward does not.
 
-Each step samples G = 4 completions for each of 8 prompts with ``model.generate`` (prompts
-left-padded) and takes their log-probs response-aligned
-(``klest.integrations.hf.completion_batch_from_model``). The per-token rewards are the task
-reward at each completion's last token minus ``beta * kl_t``, with ``kl_t = log pi - log ref``
-(k1); a REINFORCE step (on-policy, so PPO's ratio is 1) uses each token's return from it on:
+The same toy task as ``grpo_plain_pytorch.py`` (a tiny Llama built from a config, its frozen
+copy as ref; 8 prompts x 4 completions of up to 8 tokens per step, sampled with
+``model.generate`` from left-padded prompts; task reward: the number of target tokens over 8),
+log-probs response-aligned by ``klest.integrations.hf.completion_batch_from_model``. The
+per-token rewards are the task reward at each completion's last token minus ``beta * kl_t``;
+a REINFORCE step (on-policy, so PPO's ratio is 1) weights each token's log-prob by its return
+from that token on:
 
     returns = task_reward - beta * klest.rewards.kl_reward(logp, logp_ref, mask=mask,
                                                            reward_to_go=True)
 
 (the task reward sits at the last token, so every token's return includes it), minus a
-leave-one-out baseline of the task reward within each prompt's samples. With k1 and no discount
-the KL part's expected gradient is exactly -beta times the gradient of the sequence
-KL(pi||ref). The same run with beta = 0 is the comparison, and a third run rewards with k3
-instead of k1 (kl_reward warns): its reward gradient is grad KL(pi||ref) minus the per-token
-grad KL(ref||pi), which nearly cancel near ref, so it restrains the policy much less.
+leave-one-out baseline of the task reward within each prompt's samples. With k1
+(``kl_t = log pi - log ref``) and no discount, the KL part's expected gradient is exactly
+-beta times the gradient of the sequence KL(pi||ref). Two comparisons from the same initial
+model and seed: beta = 0, and the k3 value as the reward (``kl_reward`` warns): its score
+gradient is grad KL(pi||ref) minus the per-position grad KL(ref_t||pi_t), which nearly cancel
+near ref. The table prints each run's task reward and KL(pi||ref) (the exact per-position KLs
+summed along the samples, ``klest.kl_from_logits``).
 
-The table prints each run's task reward and KL(pi||ref) (the exact per-position KLs summed along
-the samples, ``klest.kl_from_logits``). The script exits with status 1 unless the k1 reward kept
-the final KL below half of beta = 0's and below k3's.
+Measured (beta = 0.05; means over the last 20% of the steps):
 
-Run:  python examples/ppo_reward_shaping.py [--quick] [--steps N] [--seed S]
-      (--quick: 60 steps per run, well under 30 s on 2 CPU cores)
+- ``--quick`` (60 steps), seeds 0, 1, 2: k1 reward: KL 1.88, 4.59, 2.54 nats (task reward
+  0.179, 0.299, 0.218); beta = 0 and the k3 reward alike: the policy emits only the target, KL
+  29.30, 29.14, 28.04 nats.
+- full (300 steps), seeds 0, 1, 2: k1: KL 3.15, 2.43, 3.13 nats; beta = 0 and k3: 28.0 to 29.3.
+- At beta = 0.2 and 0.5 (60 steps, seed 0) the k1 reward holds KL at 0.11 and 0.05 nats; the
+  k3 reward lets it reach 6.9 nats both times, with the task reward falling to 0.01.
+
+Exits with code 1 unless the k1 reward's final KL is below half of beta = 0's and below the k3
+reward's (deterministic for a seed; the margins above are wide).
+
+Run: ``python examples/ppo_reward_shaping.py [--quick] [--steps N] [--seed S]``.
 """
 
 from __future__ import annotations
@@ -33,6 +45,7 @@ import warnings
 import torch
 from _tiny_lm import Clock, parse_args, print_table, tail_mean, train
 
+from _common import finish
 from klest.penalty import KLGradientWarning
 from klest.rewards import kl_reward
 
@@ -78,15 +91,17 @@ def main() -> int:
         )
         + f"; {clock}"
     )
-    kl_free, kl_k1, kl_k3 = (kl for _, kl in final.values())
-    if kl_k1 < 0.5 * kl_free and kl_k1 < kl_k3:
-        print(
-            "conclusion: the k1 KL reward kept KL(pi||ref) far below beta=0's; the k3 reward "
-            "restrained it less"
-        )
-        return 0
-    print("conclusion: FAILED: the k1 KL reward did not keep KL(pi||ref) smallest")
-    return 1
+    (_, kl_free), (reward_k1, kl_k1), (_, kl_k3) = final.values()
+    failures = []
+    if not kl_k1 < 0.5 * kl_free:
+        failures.append(f"k1 reward: KL {kl_k1:.2f} is not below half of beta=0's {kl_free:.2f}")
+    if not kl_k1 < kl_k3:
+        failures.append(f"k1 reward: KL {kl_k1:.2f} is not below the k3 reward's {kl_k3:.2f}")
+    return finish(
+        f"the k1 KL reward kept KL(pi||ref) at {kl_k1:.2f} nats (reward {reward_k1:.3f}) against "
+        f"{kl_free:.2f} with beta=0 and {kl_k3:.2f} with the k3 reward",
+        failures,
+    )
 
 
 if __name__ == "__main__":
