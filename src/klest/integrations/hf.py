@@ -380,8 +380,8 @@ def completion_batch_from_model(
     if "position_ids" in params:
         positions = layout.attended.long().cumsum(1) - 1
         kwargs["position_ids"] = positions.masked_fill(~layout.attended, 0)
-    if "logits_to_keep" in params:
-        kwargs["logits_to_keep"] = ids.shape[1] - layout.first + 1
+    if "logits_to_keep" in params:  # no completion token at all: one column, for V
+        kwargs["logits_to_keep"] = ids.shape[1] - layout.first + 1 if layout.width else 1
     if "use_cache" in params:
         kwargs["use_cache"] = False
     out = model(input_ids=ids, **kwargs)
