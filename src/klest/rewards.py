@@ -30,9 +30,11 @@ Which per-token value :math:`v_t` belongs there (samples from pi, on-policy):
   with the second gradient taken with the prefixes held fixed (for one-token samples it is
   :math:`\nabla KL(ref\|\pi)`). The policy is pulled toward ref in KL(pi||ref) and pushed away
   in KL(ref||pi): near ref the two gradients agree to first order, so the pull of a k3 reward
-  is of second order in pi - ref, where k1's is of first order. ``estimator="k3"`` is allowed
-  (its value is a fine non-negative KL estimate to log) but warns with a
-  :class:`~klest.KLGradientWarning`; so do ``"k2"`` and ``"abs"``, whose values are biased too.
+  is of second order in pi - ref, where k1's is of first order (on a tabular policy, V = 3,
+  T = 3, its mean gradient's norm is 4.8% of k1's at KL(pi||ref) = 0.0014, 40% at 0.096).
+  ``estimator="k3"`` is allowed (its value is a fine non-negative KL estimate to log) but warns
+  with a :class:`~klest.KLGradientWarning`; so do ``"k2"`` and ``"abs"``, whose values are
+  biased too.
 - **KL(ref||pi)** cannot be a reward of pi's samples: a reward's gradient is its score term
   only, while :math:`\nabla KL(ref\|\pi) = -E_\pi[\sum_t s_t R_{\le t}]` (prefix ratios
   :math:`R_{\le t} = \prod_{u\le t} ref/\pi`) comes from differentiating the ratios themselves;
