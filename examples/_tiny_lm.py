@@ -14,11 +14,16 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import klest
 from _common import parser
-from klest.integrations.hf import CompletionBatch, completion_batch_from_model, group_ids
+from klest.integrations.hf import (
+    CompletionBatch,
+    completion_batch_from_model,
+    group_ids,
+    tiny_causal_lm,
+)
 
 VOCAB = 32
 PAD, BOS, EOS = 0, 1, 2
@@ -28,19 +33,9 @@ FIRST_PROMPT_TOKEN = 3
 
 def build_models(seed: int) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
     """A randomly initialized tiny Llama (the policy, trainable) and a frozen copy (ref)."""
-    torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        pad_token_id=PAD,
-        bos_token_id=BOS,
-        eos_token_id=EOS,
+    policy = tiny_causal_lm(
+        vocab_size=VOCAB, pad_token_id=PAD, bos_token_id=BOS, eos_token_id=EOS, seed=seed
     )
-    policy = LlamaForCausalLM(config)
     ref = copy.deepcopy(policy).eval().requires_grad_(False)
     return policy, ref
 

@@ -62,6 +62,7 @@ from torch import Tensor
 
 import klest
 from _common import finish, parser
+from klest.integrations.hf import tiny_causal_lm
 
 VOCAB = 64
 MAX_NEW = 12  # completion length limit
@@ -74,19 +75,16 @@ Z_DECREASE = 4.0  # one-sided: a decrease this many standard errors is not chanc
 
 
 def llama(hidden: int) -> LM:
-    config = transformers.LlamaConfig(
+    """A tiny Llama drawn from the global generator (seeded once in ``main``)."""
+    return tiny_causal_lm(
         vocab_size=VOCAB,
         hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=2 * MAX_NEW,
+        max_positions=2 * MAX_NEW,
         bos_token_id=BOS,
         eos_token_id=EOS,
         pad_token_id=PAD,
+        seed=None,
     )
-    return transformers.LlamaForCausalLM(config)
 
 
 def language(n: int, generator: torch.Generator) -> Tensor:

@@ -37,10 +37,10 @@ from __future__ import annotations
 import sys
 
 import torch
-from _tiny_lm import Clock, head_mean, parse_args, print_table, tail_mean, train
 
 import klest
 from _common import finish
+from _tiny_lm import Clock, head_mean, parse_args, print_table, tail_mean, train
 
 BETA = 0.04
 

@@ -43,9 +43,9 @@ import sys
 import warnings
 
 import torch
-from _tiny_lm import Clock, parse_args, print_table, tail_mean, train
 
 from _common import finish
+from _tiny_lm import Clock, parse_args, print_table, tail_mean, train
 from klest.penalty import KLGradientWarning
 from klest.rewards import kl_reward
 

@@ -16,7 +16,14 @@ import pytest
 import klest
 
 ROOT = Path(__file__).resolve().parents[1]
-PUBLIC_MODULES = ("klest", "klest.nn", "klest.logits", "klest.testbeds")
+PUBLIC_MODULES = (
+    "klest",
+    "klest.nn",
+    "klest.logits",
+    "klest.testbeds",
+    "klest.integrations.hf",
+    "klest.integrations.trl",
+)
 
 
 def _public_names(modname: str) -> list[str]:

@@ -42,7 +42,14 @@ def run_example(path: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_the_examples_are_found():
     names = {p.name for p in EXAMPLES}
-    assert {"vae_chimera.py", "distillation_from_teacher.py"} <= names, names
+    expected = {
+        "vae_chimera.py",
+        "distillation_from_teacher.py",
+        "grpo_plain_pytorch.py",
+        "grpo_trl.py",
+        "ppo_reward_shaping.py",
+    }
+    assert expected <= names, names
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)

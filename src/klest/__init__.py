@@ -46,6 +46,7 @@ from klest.penalty import GradientEstimator
 from klest.penalty import KLGradientWarning
 from klest.penalty import PenaltyDetails
 from klest.penalty import kl_penalty
+from klest.rewards import kl_reward
 from klest.surrogates import BaselineEMA
 from klest.surrogates import decouple
 import klest.nn  # noqa: F401 (the submodule is public: klest.nn.KLPenalty, ...)
@@ -90,5 +91,6 @@ __all__ = [
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
     "kl_penalty",
+    "kl_reward",
     "set_default_validate",
 ]

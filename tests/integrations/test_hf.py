@@ -19,6 +19,7 @@ from klest.integrations.hf import (
     completion_batch_from_model,
     group_ids,
     group_ids_from_prompts,
+    tiny_causal_lm,
 )
 from klest.testbeds import make_generator
 from tests._reference import assert_verbose_close
@@ -318,19 +319,10 @@ def test_group_ids_from_prompts_edge_cases_and_errors():
 
 
 def tiny_llama(seed: int):
-    torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        pad_token_id=PAD,
-        bos_token_id=1,
-        eos_token_id=2,
+    model = tiny_causal_lm(
+        vocab_size=V, pad_token_id=PAD, bos_token_id=1, eos_token_id=2, seed=seed
     )
-    return transformers.LlamaForCausalLM(config).double().eval()
+    return model.double().eval()
 
 
 @pytest.fixture(scope="module")

@@ -17,16 +17,33 @@ datasets = pytest.importorskip("datasets")
 
 from trl import DistillationConfig, GRPOConfig, RLOOConfig  # noqa: E402
 
+from klest.integrations.hf import tiny_causal_lm, word_tokenizer  # noqa: E402
 from klest.integrations.trl import (  # noqa: E402
     DistillationTrainer,
     GRPOTrainer,
     KLTerm,
     RLOOTrainer,
 )
-from tests.integrations._tiny_lm import save_tiny_lm, tokenizer  # noqa: E402
 
 BETA = 0.1
 ACCUMULATION = 2
+
+
+LETTERS = [chr(ord("a") + i) for i in range(13)]
+
+
+def tokenizer():
+    return word_tokenizer(LETTERS)
+
+
+def save_tiny_lm(folder, *, seed: int) -> str:
+    """A one-layer Llama and its tokenizer, saved where TRL can load them (and their copy)."""
+    model = tiny_causal_lm(
+        vocab_size=len(LETTERS) + 3, hidden_size=16, num_layers=1, num_heads=2, seed=seed
+    )
+    model.save_pretrained(folder)
+    tokenizer().save_pretrained(folder)
+    return str(folder)
 
 
 @pytest.fixture(scope="module")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from klest.logits.token_log_probs import token_log_probs
+from klest.logits.sampled_log_probs import token_log_probs
 from klest.testbeds import make_generator
 from tests._reference import assert_verbose_close
 

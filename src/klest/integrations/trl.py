@@ -48,6 +48,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
 from klest._checks import check_choice, check_direction
 from klest._types import Baseline, Direction, Estimator, Grad, Reduction
 from klest.aggregation import WithDetails
+from klest.integrations.hf import group_ids_from_prompts
 from klest.logits import kl_from_hidden
 from klest.penalty import GRADIENT_ESTIMATORS, PenaltyDetails, kl_penalty
 
@@ -224,15 +225,17 @@ class GRPOTrainer(_KLTermInLoss, trl.GRPOTrainer):
     Everything else is TRL's (``GRPOConfig``, rewards, loss types, generation). ``beta`` from
     the config weighs the term; ``kl`` says which KL and which estimators.
 
+    Every other argument is ``trl.GRPOTrainer``'s.
+
     Args:
-      *args, **kwargs: as ``trl.GRPOTrainer``.
       kl: the KL term (default ``KLTerm()``: k3's value, the cumulative score-function gradient
         of the sequence KL(pi||ref) with a leave-one-out baseline over each prompt's samples).
 
-    Example:
-      >>> from klest.integrations.trl import GRPOTrainer, KLTerm  # doctest: +SKIP
-      >>> trainer = GRPOTrainer(model=model, reward_funcs=reward, args=GRPOConfig(beta=0.01),
-      ...                       train_dataset=data, kl=KLTerm(grad="cumulative"))  # doctest: +SKIP
+    Example (``examples/grpo_trl.py`` runs one end to end)::
+
+        from klest.integrations.trl import GRPOTrainer, KLTerm
+        trainer = GRPOTrainer(model=path, reward_funcs=reward, args=GRPOConfig(beta=0.01),
+                              train_dataset=data, kl=KLTerm(grad="cumulative"))
     """
 
     def __init__(self, *args: Any, kl: KLTerm | None = None, **kwargs: Any) -> None:
@@ -248,8 +251,9 @@ class RLOOTrainer(_KLTermInLoss, trl.RLOOTrainer):
     cumulative (reward-to-go) score function with a leave-one-out baseline. The reference
     model's log-probs are computed once per generation batch, as TRL does.
 
+    Every other argument is ``trl.RLOOTrainer``'s.
+
     Args:
-      *args, **kwargs: as ``trl.RLOOTrainer``.
       kl: the KL term (default ``KLTerm()``).
     """
 
@@ -318,8 +322,9 @@ class DistillationTrainer(trl.DistillationTrainer):
     See "Better Estimation of the Kullback-Leibler Divergence Between Language Models" by Afra
     Amini, Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637).
 
+    Every other argument is ``trl.DistillationTrainer``'s.
+
     Args:
-      *args, **kwargs: as ``trl.DistillationTrainer``.
       sequence_level: add the future-KL score term (see above).
       baseline: for ``sequence_level``: ``"loo"`` (over equal prompts in the micro-batch),
         ``"mean"`` or None.
@@ -408,12 +413,6 @@ class DistillationTrainer(trl.DistillationTrainer):
             loss = total / torch.as_tensor(num_items_in_batch, device=total.device)
         entropy_sum = (details.entropy * mask).sum()
         return loss, entropy_sum.detach(), n_valid
-
-
-def group_ids_from_prompts(prompt_ids: Tensor, *, prompt_mask: Tensor) -> Tensor:
-    """TEMPORARY until klest.integrations.hf lands: equal prompts, equal ids."""
-    keyed = torch.where(prompt_mask.bool(), prompt_ids, -1)
-    return torch.unique(keyed, dim=0, return_inverse=True)[1]
 
 
 def _plain_lm_head(model: Any, which: str) -> torch.nn.Linear:

@@ -4,7 +4,8 @@ In the order data flows: :mod:`~klest.logits.reference` (plain PyTorch, small V,
 the rest is tested against), the row statistics and the chunked engine, the Triton kernels
 (:mod:`klest.logits.kernels`), then three front ends: :func:`kl_from_logits`,
 :func:`kl_from_hidden` (fused with the LM head) and :func:`kl_from_logits_vocab_parallel`
-(vocabulary shards over ``torch.distributed``).
+(vocabulary shards over ``torch.distributed``); and :func:`token_log_probs`, the sampled
+tokens' log-probs from logits, memory-bounded.
 """
 
 # The public surface is one import per line (an isort merge would undo that).
@@ -15,6 +16,7 @@ from klest.logits._call import LogitsDetails
 from klest.logits.from_logits import kl_from_logits
 from klest.logits.from_hidden import kl_from_hidden
 from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
+from klest.logits.sampled_log_probs import token_log_probs
 
 __all__ = [
     "KLRowStats",
@@ -23,4 +25,5 @@ __all__ = [
     "kl_from_hidden",
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
+    "token_log_probs",
 ]
