@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from klest.testbeds import TabularAutoregressive
+
 INF = math.inf
 OUTPUTS = ("kl_pi_ref", "kl_ref_pi", "entropy", "logp_label", "logp_ref_label")
 
@@ -220,3 +222,31 @@ def reduce_reference(values, mask, reduction):
         return total / count if count else 0.0
     per_row = sums if reduction == "seq-mean-token-sum" else means
     return sum(per_row) / len(per_row) if per_row else 0.0
+
+
+def exact_token_level_gradient(
+    target: TabularAutoregressive, direction: str, sampler: TabularAutoregressive | None = None
+) -> torch.Tensor:
+    r"""The mean of ``grad="token"``: :math:`\nabla \sum_t E_{y_{<t}\sim D}[KL_t(y_{<t})]`
+    with the prefix distribution D held fixed (D = pi on-policy; ``sampler`` off-policy, whose
+    per-token weights w_t = pi_t / behavior_t reweight only the token at t). By enumeration.
+    """
+    tokens, valid = target.all_sequences()
+    s = target.evaluate(tokens)
+    with torch.no_grad():
+        lq = (sampler or target).evaluate(tokens).logp
+        prob = torch.where(valid, lq, 0.0).sum(-1).exp()  # D(y), no gradient
+    lp, lr = s.logits, s.logits_ref
+    kl_t = (
+        (lp.exp() * (lp - lr)).sum(-1) if direction == "pi||ref" else (lr.exp() * (lr - lp)).sum(-1)
+    )
+    total = (prob * torch.where(valid, kl_t, 0.0).sum(-1)).sum()
+    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(total, target.parameters())])
+
+
+def left_padded(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Move each right-padded row's valid tokens to the end of the row (``x`` ``[B, T, ...]``)."""
+    shift = mask.shape[1] - mask.sum(1)
+    cols = (torch.arange(mask.shape[1]) - shift.unsqueeze(1)) % mask.shape[1]
+    index = cols.reshape(*cols.shape, *([1] * (x.ndim - 2))).expand_as(x)
+    return x.gather(1, index)

@@ -25,7 +25,12 @@ from klest.testbeds import (
     TabularAutoregressive,
     make_generator,
 )
-from tests._reference import reduce_reference, values_reference
+from tests._reference import (
+    exact_token_level_gradient,
+    left_padded,
+    reduce_reference,
+    values_reference,
+)
 from tests._stats import RATE, Z, assert_failures_consistent, z_for
 from tests._testbeds import make
 
@@ -186,26 +191,6 @@ def test_mean_baseline_scales_the_gradient_by_one_minus_one_over_n(grad, directi
     exact = torch.cat([g.reshape(-1) for g in testbed.exact_kl_grad(direction)])
     assert mean_shift_z(draws, (1 - 1 / n) * exact) <= Z
     assert mean_shift_z(draws, exact) > Z
-
-
-def exact_token_level_gradient(
-    target: TabularAutoregressive, direction: str, sampler: TabularAutoregressive | None = None
-) -> torch.Tensor:
-    r"""The mean of ``grad="token"``: :math:`\nabla \sum_t E_{y_{<t}\sim D}[KL_t(y_{<t})]`
-    with the prefix distribution D held fixed (D = pi on-policy; ``sampler`` off-policy, whose
-    per-token weights w_t = pi_t / behavior_t reweight only the token at t). By enumeration.
-    """
-    tokens, valid = target.all_sequences()
-    s = target.evaluate(tokens)
-    with torch.no_grad():
-        lq = (sampler or target).evaluate(tokens).logp
-        prob = torch.where(valid, lq, 0.0).sum(-1).exp()  # D(y), no gradient
-    lp, lr = s.logits, s.logits_ref
-    kl_t = (
-        (lp.exp() * (lp - lr)).sum(-1) if direction == "pi||ref" else (lr.exp() * (lr - lp)).sum(-1)
-    )
-    total = (prob * torch.where(valid, kl_t, 0.0).sum(-1)).sum()
-    return torch.cat([g.reshape(-1) for g in torch.autograd.grad(total, target.parameters())])
 
 
 @pytest.mark.parametrize("direction", BOTH)
@@ -608,14 +593,6 @@ def test_rao_blackwellization_can_increase_variance():
 
 
 # -- trainer batches ------------------------------------------------------------------------------
-
-
-def left_padded(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Move each right-padded row's valid tokens to the end of the row (``x`` ``[B, T, ...]``)."""
-    shift = mask.shape[1] - mask.sum(1)
-    cols = (torch.arange(mask.shape[1]) - shift.unsqueeze(1)) % mask.shape[1]
-    index = cols.reshape(*cols.shape, *([1] * (x.ndim - 2))).expand_as(x)
-    return x.gather(1, index)
 
 
 WITH_BASELINES = [

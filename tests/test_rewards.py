@@ -19,10 +19,14 @@ from klest.audit import audit_grad, gradient_draws, mean_shift_z
 from klest.penalty import KLGradientWarning
 from klest.rewards import kl_reward
 from klest.testbeds import Sample, TabularAutoregressive, make_generator
-from tests._reference import assert_verbose_close, estimator_formula
+from tests._reference import (
+    assert_verbose_close,
+    estimator_formula,
+    exact_token_level_gradient,
+    left_padded,
+)
 from tests._stats import RATE, assert_failures_consistent, z_for
 from tests._testbeds import make
-from tests.test_penalty import exact_token_level_gradient, left_padded
 
 # -- values ---------------------------------------------------------------------------------------
 

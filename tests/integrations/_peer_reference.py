@@ -23,8 +23,7 @@ import pytest
 import torch
 
 from klest.testbeds import TabularAutoregressive
-from tests._reference import logits_reference
-from tests.test_penalty import exact_token_level_gradient
+from tests._reference import exact_token_level_gradient, logits_reference
 
 
 def surrogate_reference(

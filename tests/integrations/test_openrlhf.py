@@ -22,7 +22,7 @@ import torch
 
 from klest.audit import gradient_draws, mean_shift_z
 from klest.integrations import openrlhf
-from tests._reference import assert_verbose_close
+from tests._reference import assert_verbose_close, exact_token_level_gradient
 from tests._stats import RATE, z_for
 from tests._testbeds import make
 from tests.integrations._peer_reference import (
@@ -33,7 +33,6 @@ from tests.integrations._peer_reference import (
     two_leaves,
 )
 from tests.integrations.test_verl import REFERENCE_ROUNDING, log_probs, row_mask
-from tests.test_penalty import exact_token_level_gradient
 
 ESTIMATORS = ["k1", "k2", "k3"]
 Z_ONE_SIDED = z_for(RATE, 1, two_sided=False)

@@ -91,12 +91,18 @@ def _record_batches(trainer) -> list[dict]:
     return seen
 
 
-def _completion_logps(model, batch, temperature: float = 1.0) -> torch.Tensor:
-    """log pi(y_t | y_<t) of the completion tokens, from one plain forward pass."""
+def _completion_logits(model, batch) -> torch.Tensor:
+    """The logits that produced each completion token (column t - 1 predicts column t), from
+    one plain forward pass over prompt + completion."""
     ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
     attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
     n = batch["completion_ids"].shape[1]
-    logits = model(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1] / temperature
+    return model(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
+
+
+def _completion_logps(model, batch) -> torch.Tensor:
+    """log pi(y_t | y_<t) of the completion tokens (temperature 1, TRL's default)."""
+    logits = _completion_logits(model, batch)
     return logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0]
 
 
@@ -328,21 +334,33 @@ def _distillation_trainer(tiny_lm, tmp_path, **kwargs):
     )
 
 
-@pytest.mark.parametrize("beta", [1.0, 0.0])
-def test_distillation_loss_is_the_exact_kl_from_materialized_logits(tiny_lm, tmp_path, beta):
-    trainer = _distillation_trainer(tiny_lm, tmp_path, beta=beta)
+def _distillation_step(tiny_lm, tmp_path, **kwargs):
+    """Train a few steps; on the last batch, the trainer's loss and both models' logits."""
+    trainer = _distillation_trainer(tiny_lm, tmp_path, **kwargs)
     seen = _record_batches(trainer)
     trainer.train()
     batch = seen[-1]
-    student, teacher = trainer.model, trainer.teacher_model
-    loss, _, n_valid = trainer._compute_loss(student, batch, None)
-
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    n = batch["completion_ids"].shape[1]
-    logits = student(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
+    student = trainer.model
+    out = trainer._compute_loss(student, batch, None)
+    logits = _completion_logits(student, batch)
     with torch.no_grad():
-        logits_t = teacher(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
+        logits_t = _completion_logits(trainer.teacher_model, batch)
+    return student, batch, out, logits, logits_t
+
+
+def _assert_same_gradients(loss, expected, model):
+    params = [p for p in model.parameters() if p.requires_grad]
+    _assert_grads_close(
+        torch.autograd.grad(loss, params, allow_unused=True),
+        torch.autograd.grad(expected, params, allow_unused=True),
+    )
+
+
+@pytest.mark.parametrize("beta", [1.0, 0.0])
+def test_distillation_loss_is_the_exact_kl_from_materialized_logits(tiny_lm, tmp_path, beta):
+    student, batch, (loss, _, n_valid), logits, logits_t = _distillation_step(
+        tiny_lm, tmp_path, beta=beta
+    )
     mask = batch["completion_mask"].bool()
     logq, logq_t = logits.log_softmax(-1), logits_t.log_softmax(-1)
     if beta == 1.0:  # KL(student || teacher)
@@ -352,27 +370,13 @@ def test_distillation_loss_is_the_exact_kl_from_materialized_logits(tiny_lm, tmp
     expected = torch.where(mask, per_position, 0.0).sum() / mask.sum().clamp(min=1)
     assert int(n_valid) == int(mask.sum())
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
-    params = [p for p in student.parameters() if p.requires_grad]
-    _assert_grads_close(
-        torch.autograd.grad(loss, params, allow_unused=True),
-        torch.autograd.grad(expected, params, allow_unused=True),
-    )
+    _assert_same_gradients(loss, expected, student)
 
 
 def test_distillation_sequence_level_adds_the_future_kl_score_term(tiny_lm, tmp_path):
-    trainer = _distillation_trainer(tiny_lm, tmp_path, sequence_level=True)
-    seen = _record_batches(trainer)
-    trainer.train()
-    batch = seen[-1]
-    student, teacher = trainer.model, trainer.teacher_model
-    loss, _, _ = trainer._compute_loss(student, batch, None)
-
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    n = batch["completion_ids"].shape[1]
-    logits = student(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
-    with torch.no_grad():
-        logits_t = teacher(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
+    student, batch, (loss, _, _), logits, logits_t = _distillation_step(
+        tiny_lm, tmp_path, sequence_level=True
+    )
     mask = batch["completion_mask"].bool()
     tokens = batch["completion_ids"]
     logp = logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
@@ -385,11 +389,7 @@ def test_distillation_sequence_level_adds_the_future_kl_score_term(tiny_lm, tmp_
     by_hand = surrogate - surrogate.detach() + kl.detach()
     expected = by_hand.sum() / mask.sum().clamp(min=1)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
-    params = [p for p in student.parameters() if p.requires_grad]
-    _assert_grads_close(
-        torch.autograd.grad(loss, params, allow_unused=True),
-        torch.autograd.grad(expected, params, allow_unused=True),
-    )
+    _assert_same_gradients(loss, expected, student)
     assert logp_t.shape == logp.shape
 
 
