@@ -120,45 +120,49 @@ class TopKDetails(NamedTuple):
     diagnostics: KLDiagnostics
 
 
-class _LogNormalizers(torch.autograd.Function):
-    """``(z [N, V], rows [n], idx [n, k]) -> (lse [n], lse_tail [n])``: the log-normalizer of
-    ``z[rows] / tau`` over the whole vocabulary and over the entries not in ``idx``; read in
-    chunks of rows, and recomputed chunk by chunk in the backward."""
+class _StudentLogProbs(torch.autograd.Function):
+    """``(z [N, V], rows [n], ids [n, m], k) -> (log pi at ids [n, m], log tail mass [n])``
+    for ``pi = softmax(z[rows] / tau)``, the tail being the entries not among the first ``k``
+    ids of each row. The logits are read in chunks of rows; the backward recomputes the softmax
+    chunk by chunk and writes the whole gradient in the work dtype, rounded once."""
 
     @staticmethod
-    def forward(ctx, z, rows, idx, inv_tau: float, chunk: int):
+    def forward(ctx, z, rows, ids, k: int, inv_tau: float, chunk: int):
         dtype = torch.float64 if z.dtype == torch.float64 else torch.float32
         n = rows.numel()
         lse = torch.empty(n, dtype=dtype, device=z.device)
         lse_tail = torch.empty(n, dtype=dtype, device=z.device)
+        picked = torch.empty(ids.shape, dtype=dtype, device=z.device)
         for s in range(0, n, chunk):
-            a = z[rows[s : s + chunk]].to(dtype) * inv_tau  # a new buffer (indexing copies)
-            lse[s : s + chunk] = torch.logsumexp(a, -1)
-            lse_tail[s : s + chunk] = torch.logsumexp(
-                a.scatter_(-1, idx[s : s + chunk], -math.inf), -1
-            )
-        ctx.save_for_backward(z, rows, idx, lse, lse_tail)
-        ctx.inv_tau, ctx.chunk = inv_tau, chunk
-        return lse, lse_tail
+            sl = slice(s, s + chunk)
+            a = z[rows[sl]].to(dtype) * inv_tau  # a new buffer (indexing copies)
+            lse[sl] = torch.logsumexp(a, -1)
+            picked[sl] = a.gather(-1, ids[sl]) - lse[sl, None]
+            lse_tail[sl] = torch.logsumexp(a.scatter_(-1, ids[sl, :k], -math.inf), -1)
+        ctx.save_for_backward(z, rows, ids, lse, lse_tail)
+        ctx.k, ctx.inv_tau, ctx.chunk = k, inv_tau, chunk
+        return picked, lse_tail - lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g, g_tail):
-        z, rows, idx, lse, lse_tail = ctx.saved_tensors
+    def backward(ctx, g_picked, g_tail):
+        z, rows, ids, lse, lse_tail = ctx.saved_tensors
         dz = torch.zeros_like(z)
-        # An empty tail (every entry in idx or -inf) has no gradient: its softmax is all 0.
+        # An empty tail (every entry in S or -inf) has no gradient: its softmax is all 0.
         lse_tail = torch.where(torch.isfinite(lse_tail), lse_tail, 0.0)
-        zero = torch.zeros_like(lse)
-        g = zero if g is None else g.to(lse.dtype) * ctx.inv_tau
-        g_tail = zero if g_tail is None else g_tail.to(lse.dtype) * ctx.inv_tau
+        g_picked = torch.zeros_like(ids, dtype=lse.dtype) if g_picked is None else g_picked
+        g_tail = torch.zeros_like(lse) if g_tail is None else g_tail
+        # d log pi_j / dz = (e_j - pi) / tau; d log(tail mass) / dz = (pi_tail / tail - pi) / tau
+        g_lse = -(g_picked.sum(-1) + g_tail) * ctx.inv_tau
         for s in range(0, rows.numel(), ctx.chunk):
             sl = slice(s, s + ctx.chunk)
             a = z[rows[sl]].to(lse.dtype) * ctx.inv_tau
-            d = (a - lse[sl, None]).exp() * g[sl, None]
-            tail = a.scatter_(-1, idx[sl], -math.inf).sub_(lse_tail[sl, None]).exp_()
-            d.add_(tail.mul_(g_tail[sl, None]))
+            d = (a - lse[sl, None]).exp().mul_(g_lse[sl, None])
+            tail = a.scatter_(-1, ids[sl, : ctx.k], -math.inf).sub_(lse_tail[sl, None]).exp_()
+            d.add_(tail.mul_(g_tail[sl, None] * ctx.inv_tau))
+            d.scatter_add_(-1, ids[sl], g_picked[sl] * ctx.inv_tau)
             dz[rows[sl]] = d.to(z.dtype)
-        return dz, None, None, None, None
+        return dz, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -326,7 +330,7 @@ def kl_from_topk(
       ...                   logp_ref_label=teacher.gather(-1, y[..., None])[..., 0])
       >>> kl.backward()
       >>> bound = kl_from_topk(z, idx, logp_top, estimator="tail-bucket")
-      >>> bool(bound <= kl_from_logits(z, teacher))  # a lower bound, always
+      >>> bool(bound <= klest.kl_from_logits(z, teacher))  # a lower bound, always
       True
     """
     check_float_tensor("logits", logits, what="logits")
@@ -431,20 +435,23 @@ def kl_from_topk(
     z2 = logits.reshape(-1, v)
     s_idx = idx2[rows]
     chunk = chunk_rows(_BUFFERS_PER_ROW * 4 * v, device, memory_budget, None)
-    lse, lse_tail = _LogNormalizers.apply(z2, rows, s_idx, inv_tau, chunk)
+    ids = s_idx
+    if sampled:
+        y = torch.where(keep, pos.labels, 0).clamp(0, v - 1)[rows]
+        ids = torch.cat([s_idx, y[:, None]], -1)
+    picked, log_tail = _StudentLogProbs.apply(z2, rows, ids, k, inv_tau, chunk)
+    a = picked[:, :k]
     checks.add(
-        ~torch.isfinite(lse),
+        ~torch.isfinite(torch.logsumexp(a.detach(), -1) + log_tail.detach().exp()),
         lambda f: (
             f"logits has {int(f.sum())} counted position(s) with NaN or +inf entries, or with "
             "every entry -inf (no distribution); mask them out"
         ),
     )
-    a = z2.gather(-1, idx2)[rows].to(dtype) * inv_tau - lse[:, None]
     b = b_all[rows]
     lr_set = log_mass[rows].clamp(max=0.0)
     if sampled:
-        y = torch.where(keep, pos.labels, 0).clamp(0, v - 1)[rows]
-        a_y = z2.gather(-1, y[:, None])[:, 0].to(dtype) * inv_tau - lse
+        a_y = picked[:, k]
         checks.add(
             ~(a_y > -torch.inf),
             lambda f: (
@@ -456,13 +463,13 @@ def kl_from_topk(
         # The teacher's tail holds at least the sampled tail token (rounding of R can say less).
         tail_r = torch.maximum(-torch.expm1(lr_set), torch.where(out, b_y.exp(), 0.0))
     else:
-        a_y = b_y = torch.zeros_like(lse)
-        out = torch.zeros_like(lse, dtype=torch.bool)
+        a_y = b_y = torch.zeros_like(log_tail)
+        out = torch.zeros_like(log_tail, dtype=torch.bool)
         tail_r = -torch.expm1(lr_set)
     if v == k:
         tail_r = torch.zeros_like(tail_r)  # no tail at all: R's rounding is not mass
     checks.run()
-    raw = _Terms(a, b, a_y, b_y, lse_tail - lse, tail_r.log(), out)
+    raw = _Terms(a, b, a_y, b_y, log_tail, tail_r.log(), out)
     with torch.no_grad():
         value, _ = _values(raw, raw, estimator, direction)
     safe = raw.finite()
