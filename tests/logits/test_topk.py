@@ -428,3 +428,20 @@ def test_errors_name_the_argument():
         kl_from_topk(z_inf, idx, top, **kw)
     with pytest.raises(ValueError, match="k=25"):
         kl_from_topk(z, torch.zeros(2, 3, 25, dtype=torch.long), torch.zeros(2, 3, 25), **kw)
+
+
+def test_student_without_mass_in_the_set_and_rows_without_a_distribution():
+    """A student giving S probability 0 is valid (finite KL(pi||ref)); a row of NaN or all -inf
+    logits at a counted position is an error."""
+    z, teacher, idx, top = _case(seed=15, shape=(2,), v=10, k=3)
+    z[0].scatter_(-1, idx[0], -math.inf)
+    y = torch.tensor([int(next(v for v in range(10) if v not in idx[0].tolist())), 0])
+    y[1] = int(torch.argmax(z[1]))
+    lr = teacher.gather(-1, y[:, None])[:, 0]
+    got = kl_from_topk(z, idx, top, labels=y, logp_ref_label=lr, reduction="none")
+    assert torch.isfinite(got).all()
+    for bad in (math.nan, -math.inf):
+        zb = z.clone()
+        zb[1] = bad
+        with pytest.raises(ValueError, match="no distribution"):
+            kl_from_topk(zb, idx, top, labels=y, logp_ref_label=lr)

@@ -121,10 +121,11 @@ class TopKDetails(NamedTuple):
 
 
 class _StudentLogProbs(torch.autograd.Function):
-    """``(z [N, V], rows [n], ids [n, m], k) -> (log pi at ids [n, m], log tail mass [n])``
-    for ``pi = softmax(z[rows] / tau)``, the tail being the entries not among the first ``k``
-    ids of each row. The logits are read in chunks of rows; the backward recomputes the softmax
-    chunk by chunk and writes the whole gradient in the work dtype, rounded once."""
+    """``(z [N, V], rows [n], ids [n, m], k) -> (log pi at ids [n, m], log tail mass [n],
+    log-normalizer [n])`` for ``pi = softmax(z[rows] / tau)``, the tail being the entries not
+    among the first ``k`` ids of each row; the normalizer is returned for validation only.
+    The logits are read in chunks of rows; the backward recomputes the softmax chunk by chunk
+    and writes the whole gradient in the work dtype, rounded once."""
 
     @staticmethod
     def forward(ctx, z, rows, ids, k: int, inv_tau: float, chunk: int):
@@ -141,11 +142,12 @@ class _StudentLogProbs(torch.autograd.Function):
             lse_tail[sl] = torch.logsumexp(a.scatter_(-1, ids[sl, :k], -math.inf), -1)
         ctx.save_for_backward(z, rows, ids, lse, lse_tail)
         ctx.k, ctx.inv_tau, ctx.chunk = k, inv_tau, chunk
-        return picked, lse_tail - lse
+        ctx.mark_non_differentiable(lse)
+        return picked, lse_tail - lse, lse
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, g_picked, g_tail):
+    def backward(ctx, g_picked, g_tail, _g_lse):
         z, rows, ids, lse, lse_tail = ctx.saved_tensors
         dz = torch.zeros_like(z)
         # An empty tail (every entry in S or -inf) has no gradient: its softmax is all 0.
@@ -439,10 +441,10 @@ def kl_from_topk(
     if sampled:
         y = torch.where(keep, pos.labels, 0).clamp(0, v - 1)[rows]
         ids = torch.cat([s_idx, y[:, None]], -1)
-    picked, log_tail = _StudentLogProbs.apply(z2, rows, ids, k, inv_tau, chunk)
+    picked, log_tail, lse = _StudentLogProbs.apply(z2, rows, ids, k, inv_tau, chunk)
     a = picked[:, :k]
     checks.add(
-        ~torch.isfinite(torch.logsumexp(a.detach(), -1) + log_tail.detach().exp()),
+        ~torch.isfinite(lse),
         lambda f: (
             f"logits has {int(f.sum())} counted position(s) with NaN or +inf entries, or with "
             "every entry -inf (no distribution); mask them out"
