@@ -69,6 +69,16 @@ def topk_estimate_fn(
     return estimate
 
 
+def _batch_mean(fn: Callable[[Sample], Tensor]) -> Callable[[Sample], Tensor]:
+    """The batch loss of a per-sample estimate (what :func:`klest.audit.audit_grad` takes)."""
+
+    def loss(sample: Sample) -> Tensor:
+        return fn(sample).mean()
+
+    loss.__name__ = fn.__name__
+    return loss
+
+
 def topk_audit_section(*, quick: bool = False, seed: int = 0, progress: bool = False) -> str:
     """The audit suite's top-k section, as markdown: value and gradient tables, both KLs.
 
@@ -86,44 +96,30 @@ def topk_audit_section(*, quick: bool = False, seed: int = 0, progress: bool = F
     k = 6
     testbed = CategoricalTestbed.random(64, scale=2.0, seed=seed)
     trials, grad_trials = (100, 150) if quick else (2000, 2000)
-    values, parts = [], []
-    for direction in ("pi||ref", "ref||pi"):
+
+    def each(audit: Callable, direction: str, **kw) -> list:
+        """``audit`` of every estimator of TOPK_AUDIT claiming KL(direction)."""
+        out = []
         for est in TOPK_AUDIT:
             fn = topk_estimate_fn(est, testbed, k=k, direction=direction)
-            values.append(
-                audit_value(
-                    fn,
-                    testbed,
-                    direction=direction,
-                    batch_size=16,
-                    n_trials=trials,
-                    seed=seed,
-                    progress=progress,
-                    name=fn.__name__,
-                )
-            )
-    parts.append(
+            if audit is audit_grad:
+                fn = _batch_mean(fn)
+            out.append(audit(fn, testbed, direction=direction, seed=seed, progress=progress, **kw))
+        return out
+
+    values = [
+        a
+        for direction in ("pi||ref", "ref||pi")
+        for a in each(audit_value, direction, batch_size=16, n_trials=trials)
+    ]
+    parts = [
         f"## Top-k distillation (`kl_from_topk`): the teacher known by its top {k} of "
         f"{testbed.logits.numel()} log-probs\n\n"
         "`truncated*` are what peers compute (biased), `tail-bucket` a lower bound, "
         "`unbiased*` unbiased in value and gradient.\n\n" + format_value_audits(values) + "\n"
-    )
+    ]
     for direction in ("pi||ref", "ref||pi"):
-        grads = []
-        for est in TOPK_AUDIT:
-            fn = topk_estimate_fn(est, testbed, k=k, direction=direction)
-            grads.append(
-                audit_grad(
-                    lambda s, fn=fn: fn(s).mean(),
-                    testbed,
-                    direction=direction,
-                    batch_size=8,
-                    n_trials=grad_trials,
-                    seed=seed,
-                    progress=progress,
-                    name=fn.__name__,
-                )
-            )
+        grads = each(audit_grad, direction, batch_size=8, n_trials=grad_trials)
         parts.append(
             f"### Top-k gradients claiming KL({direction}) (batches of 8, {grad_trials} trials)\n\n"
             + format_grad_audits(grads)

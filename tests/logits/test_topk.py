@@ -82,6 +82,12 @@ def _case(seed=0, shape=(2, 3), v=24, k=5, peak=2.0, dtype=torch.float64):
     return z, teacher, idx[..., perm], top[..., perm]
 
 
+def _topk(z, idx, top, teacher, y, **kw):
+    """kl_from_topk per position, with the teacher's log-prob of each sampled token ``y``."""
+    lr = teacher.gather(-1, y[..., None])[..., 0]
+    return kl_from_topk(z, idx, top, labels=y, logp_ref_label=lr, reduction="none", **kw)
+
+
 def _labels(z, seed=1, temperature=1.0):
     g = make_generator(seed)
     probs = torch.softmax(z.double() / temperature, -1).reshape(-1, z.shape[-1])
@@ -100,16 +106,8 @@ def test_values_match_hand_written_formulas(estimator, direction, temperature):
     # Force both cases: position (0, 0) samples a top-k token, (0, 1) one outside.
     y[0, 0] = idx[0, 0, 2]
     y[0, 1] = next(v for v in range(24) if v not in idx[0, 1].tolist())
-    got = kl_from_topk(
-        z,
-        idx,
-        top,
-        labels=y,
-        logp_ref_label=teacher.gather(-1, y[..., None])[..., 0],
-        estimator=estimator,
-        direction=direction,
-        temperature=temperature,
-        reduction="none",
+    got = _topk(
+        z, idx, top, teacher, y, estimator=estimator, direction=direction, temperature=temperature
     )
     la = torch.log_softmax(z / temperature, -1)
     want = torch.tensor(
@@ -282,16 +280,7 @@ def test_k_equal_to_v_is_exact(estimator, direction):
     z = z.requires_grad_(True)
     y = _labels(z.detach())
     exact = klest.kl_from_logits(z, teacher, direction=direction, reduction="none")
-    got = kl_from_topk(
-        z,
-        idx,
-        top,
-        labels=y,
-        logp_ref_label=teacher.gather(-1, y[..., None])[..., 0],
-        estimator=estimator,
-        direction=direction,
-        reduction="none",
-    )
+    got = _topk(z, idx, top, teacher, y, estimator=estimator, direction=direction)
     assert_verbose_close(got, exact, atol=1e-12, what="value")
     (g1,) = torch.autograd.grad(got.sum(), z)
     (g2,) = torch.autograd.grad(exact.sum(), z)
