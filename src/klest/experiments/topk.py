@@ -132,9 +132,9 @@ def run(config: RunConfig) -> Report:
         results=results,
         table=table,
         summary=(
-            "truncated and truncated-raw are biased by a large fraction of the KL at every k; "
-            "tail-bucket is below it; unbiased and unbiased-cv are unbiased within their "
-            "standard errors, in value and gradient"
+            "truncated and truncated-raw are biased in value and (more) in gradient at every k; "
+            "tail-bucket is below the KL; unbiased and unbiased-cv are unbiased within their "
+            "standard errors, and unbiased-cv has the lower gradient variance"
         ),
     )
 
