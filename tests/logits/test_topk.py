@@ -434,3 +434,20 @@ def test_student_without_mass_in_the_set_and_rows_without_a_distribution():
         zb[1] = bad
         with pytest.raises(ValueError, match="no distribution"):
             kl_from_topk(zb, idx, top, labels=y, logp_ref_label=lr)
+
+
+def test_single_position_empty_batch_and_all_masked():
+    """A 1-D [V] input is one position; a batch with no position, or none counted, gives 0 with
+    a zero gradient."""
+    z, teacher, idx, top = _case(seed=16, shape=(), v=30, k=4)
+    y = torch.tensor(int(next(v for v in range(30) if v not in idx.tolist())))
+    got = kl_from_topk(z, idx, top, labels=y, logp_ref_label=teacher[y])
+    want = reference_value(z.log_softmax(-1), teacher, idx.tolist(), int(y), "unbiased", "pi||ref")
+    assert_verbose_close(got, torch.tensor(want, dtype=torch.float64), atol=1e-12)
+    for shape, mask in (((0, 4), None), ((2, 3), torch.zeros(2, 3, dtype=torch.bool))):
+        z, teacher, idx, top = _case(seed=17, shape=shape, v=30, k=4)
+        z = z.requires_grad_(True)
+        y = torch.zeros(shape, dtype=torch.long)
+        got = kl_from_topk(z, idx, top, labels=y, logp_ref_label=teacher[..., 0], mask=mask)
+        got.backward()
+        assert float(got.detach()) == 0.0 and (z.grad == 0).all()
