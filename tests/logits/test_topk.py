@@ -8,6 +8,8 @@ import math
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import klest
 from klest.logits.topk import kl_from_topk
@@ -451,3 +453,37 @@ def test_single_position_empty_batch_and_all_masked():
         got = kl_from_topk(z, idx, top, labels=y, logp_ref_label=teacher[..., 0], mask=mask)
         got.backward()
         assert float(got.detach()) == 0.0 and (z.grad == 0).all()
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    v=st.integers(2, 12),
+    k_frac=st.floats(0.0, 1.0),
+    scale=st.floats(0.1, 6.0),
+    seed=st.integers(0, 2**16),
+    direction=st.sampled_from(DIRECTIONS),
+)
+def test_bound_and_exact_expectation_hold_for_any_pair(v, k_frac, scale, seed, direction):
+    """For any pair of distributions and any k: tail-bucket <= KL, and the expectation of each
+    sampled estimator over the token (enumerated) is the KL."""
+    k = max(1, round(k_frac * v))
+    g = make_generator(seed)
+    z = scale * torch.randn(v, generator=g, dtype=torch.float64)
+    teacher = (scale * torch.randn(v, generator=g, dtype=torch.float64)).log_softmax(-1)
+    top, idx = teacher.topk(k)
+    exact = full_kl(z.log_softmax(-1), teacher, direction)
+    bound = kl_from_topk(z, idx, top, estimator="tail-bucket", direction=direction)
+    assert float(bound) <= float(exact) + 1e-9
+    pi = z.softmax(-1)
+    for est in SAMPLED:
+        vals = kl_from_topk(
+            z.expand(v, v),
+            idx.expand(v, k),
+            top.expand(v, k),
+            labels=torch.arange(v),
+            logp_ref_label=teacher,
+            estimator=est,
+            direction=direction,
+            reduction="none",
+        )
+        assert_verbose_close((pi * vals).sum(), exact, atol=1e-9, rtol=1e-9, what=est)
