@@ -675,7 +675,8 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
     Value estimators (``VALUE_AUDIT``) in both directions on a Gaussian (Schulman's mu = 1),
     a random categorical and a tabular autoregressive testbed (with ``SEQUENCE_VALUE_AUDIT`` also
     at the sequence level there), batches of 16; then the gradient estimators of ``GRAD_AUDIT``
-    on a tabular autoregressive policy (V = 3, T = 4, with eos), batches of 8.
+    on a tabular autoregressive policy (V = 3, T = 4, with eos), batches of 8; then the top-k
+    distillation estimators (:func:`klest.audit_topk.topk_audit_section`).
 
     Args:
       quick: 200 value trials and 300 gradient trials instead of 2000 each.
@@ -737,4 +738,7 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
             f" batches of 8, {grad_trials} trials)\n\n"
         )
         parts.append(format_grad_audits(grads) + "\n")
+    from klest.audit_topk import topk_audit_section  # imported here: it imports this module
+
+    parts.append(topk_audit_section(quick=quick, seed=seed, progress=progress))
     return "".join(parts)

@@ -14,6 +14,7 @@ def registry() -> dict[str, Experiment]:
         mode_seeking,
         pitfalls,
         schulman,
+        topk,
     )
 
     experiments = [
@@ -24,6 +25,7 @@ def registry() -> dict[str, Experiment]:
         control_variates.EXPERIMENT,
         mode_seeking.EXPERIMENT,
         migration.EXPERIMENT,
+        topk.EXPERIMENT,
     ]
     return {e.name: e for e in experiments}
 
