@@ -41,6 +41,9 @@ from klest.logits import categorical_kl
 from klest.logits import kl_from_hidden
 from klest.logits import kl_from_logits
 from klest.logits import kl_from_logits_vocab_parallel
+from klest.logits.topk import TopKDetails
+from klest.logits.topk import TopKEstimator
+from klest.logits.topk import kl_from_topk
 from klest.penalty import GRADIENT_ESTIMATORS
 from klest.penalty import GradientEstimator
 from klest.penalty import KLGradientWarning
@@ -72,6 +75,8 @@ __all__ = [
     "LogitsDetails",
     "PenaltyDetails",
     "Reduction",
+    "TopKDetails",
+    "TopKEstimator",
     "ValueAudit",
     "WithDetails",
     "aggregate",
@@ -90,6 +95,7 @@ __all__ = [
     "kl_from_hidden",
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
+    "kl_from_topk",
     "kl_penalty",
     "kl_reward",
     "set_default_validate",
