@@ -1,0 +1,464 @@
+r"""Exact generalized Jensen-Shannon divergence, skew KL and total variation from logits.
+
+For pi's logits ``z`` (the student, the trainable model) and ref's logits ``y`` (the teacher) at
+temperature :math:`\tau`, :math:`\pi = \mathrm{softmax}(z/\tau)`,
+:math:`ref = \mathrm{softmax}(y/\tau)`, each position gets one of
+
+.. math::
+    JSD_\beta(\pi, ref) = \beta\, KL(ref\|m_\beta) + (1-\beta)\, KL(\pi\|m_\beta), \quad
+    m_\beta = \beta\, ref + (1-\beta)\, \pi \\
+    KL(\pi\|\alpha\pi + (1-\alpha) ref), \quad KL(ref\|\alpha\, ref + (1-\alpha)\pi), \quad
+    TV(\pi, ref) = \tfrac12 \textstyle\sum_v |\pi_v - ref_v|,
+
+exactly, over the whole vocabulary, memory-bounded (row chunks, as :func:`klest.kl_from_logits`),
+with gradients to both logits. The row engine is :mod:`klest.logits._divergence_rows`; positions,
+masks, labels and reductions are those of :mod:`klest.logits._call`. There is no Triton kernel
+for these divergences: ``backend="auto"`` computes them in chunked PyTorch on every device
+(except the KL limits of the JSD, which are :func:`klest.kl_from_logits`'s).
+
+The JSD's ``beta`` is TRL's (``generalized_jsd_loss`` of its GKD / distillation trainers) and
+Liger-Kernel's (``LigerJSD``, ``LigerFusedLinearJSD``): both define
+:math:`\beta\,KL(P\|M) + (1-\beta)KL(Q\|M)`, :math:`M = \beta P + (1-\beta) Q`, with ``Q`` the
+student's and ``P`` the teacher's distribution, and return :math:`KL(teacher\|student)` at
+:math:`\beta = 0` and :math:`KL(student\|teacher)` at :math:`\beta = 1`
+(https://github.com/linkedin/Liger-Kernel, https://huggingface.co/docs/trl).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.autograd.function import once_differentiable
+
+from klest._checks import (
+    ValueChecks,
+    check_direction,
+    check_logits_pair,
+    check_rows_have_distributions,
+    check_temperature,
+    resolve_validate,
+)
+from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
+from klest.aggregation import WithDetails
+from klest.logits._call import LogitsDetails, Positions, check_plan_options, finish, positions
+from klest.logits._divergence_rows import (
+    BUFFERS_PER_ROW,
+    Divergence,
+    divergence_grads,
+    divergence_rows,
+)
+from klest.logits._rows import chunk_rows
+from klest.logits.from_logits import kl_from_logits
+
+
+def check_unit_interval(name: str, value: object, *, open_low: bool, open_high: bool) -> float:
+    """A real number in the unit interval (open at the ends asked for), as a float."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{name} must be a float, got {type(value).__name__}")
+    low_ok = value > 0.0 if open_low else value >= 0.0
+    high_ok = value < 1.0 if open_high else value <= 1.0
+    if not (math.isfinite(value) and low_ok and high_ok):
+        interval = f"{'(' if open_low else '['}0, 1{')' if open_high else ']'}"
+        raise ValueError(f"{name} must be a number in {interval}, got {value!r}")
+    return float(value)
+
+
+def jsd_divergence(beta: float) -> Divergence:
+    """The generalized JSD for ``0 < beta < 1``: ref's weight in the mixture is ``beta``."""
+    return Divergence("mixture", w=beta, c_q=1.0 - beta, c_p=beta)
+
+
+def skew_divergence(alpha: float, direction: str) -> Divergence:
+    """``KL(pi || alpha pi + (1-alpha) ref)`` or ``KL(ref || alpha ref + (1-alpha) pi)``."""
+    if direction == "pi||ref":
+        return Divergence("mixture", w=1.0 - alpha, c_q=1.0)
+    return Divergence("mixture", w=alpha, c_p=1.0)
+
+
+TV = Divergence("tv")
+
+
+@dataclass(frozen=True)
+class DivergencePlan:
+    div: Divergence
+    inv_tau: float
+    want_entropy: bool
+    chunk: int
+
+
+def bytes_per_row(v: int) -> int:
+    """Float32 workspace per row of V entries (the backward's, the larger)."""
+    return BUFFERS_PER_ROW * 4 * v
+
+
+def check_backend(backend: str) -> None:
+    if backend == "triton":
+        raise ValueError(
+            "backend='triton': there is no Triton kernel for the JSD, skew KL or total "
+            "variation; use backend='auto' or 'torch' (chunked PyTorch, on any device)"
+        )
+
+
+class _RowsDivergence(torch.autograd.Function):
+    """``(z [N, V], y [N, V]) -> (D, 0, entropy, logp, logp_ref)``, five float ``[N]``; only
+    ``D`` is differentiable."""
+
+    @staticmethod
+    def forward(ctx, z, y, labels, rows, plan: DivergencePlan, checks: ValueChecks):
+        ctx.set_materialize_grads(False)
+        out = divergence_rows(
+            z,
+            y,
+            plan.div,
+            inv_tau=plan.inv_tau,
+            labels=labels,
+            rows=rows,
+            want_entropy=plan.want_entropy,
+            chunk=plan.chunk,
+        )
+        check_rows_have_distributions(out[4], out[5], None, checks)
+        ctx.plan = plan
+        ctx.save_for_backward(z, y, rows)
+        value, entropy, logp, logp_ref = (t.clone() for t in out[:4])
+        unused = torch.zeros_like(value)
+        ctx.mark_non_differentiable(unused, entropy, logp, logp_ref)
+        return value, unused, entropy, logp, logp_ref
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad, *_):
+        z, y, rows = ctx.saved_tensors
+        if grad is None:
+            return None, None, None, None, None, None
+        plan: DivergencePlan = ctx.plan
+        dz, dy = divergence_grads(
+            z,
+            y,
+            plan.div,
+            grad,
+            inv_tau=plan.inv_tau,
+            rows=rows,
+            need_z=ctx.needs_input_grad[0],
+            need_y=ctx.needs_input_grad[1],
+            chunk=plan.chunk,
+        )
+        return dz, dy, None, None, None, None
+
+
+def rows_divergence(
+    z: Tensor,
+    y: Tensor,
+    labels: Tensor | None,
+    rows: Tensor | None,
+    plan: DivergencePlan,
+    checks: ValueChecks,
+) -> tuple[Tensor, ...]:
+    """Apply the autograd Function to ``[N, V]`` logits; five float ``[N]`` outputs."""
+    return _RowsDivergence.apply(z, y, labels, rows, plan, checks)
+
+
+def _from_logits(
+    div: Divergence,
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    mask: Tensor | None,
+    reduction: str,
+    temperature: float,
+    labels: Tensor | None,
+    ignore_index: int,
+    memory_budget: int | None,
+    chunk_size: int | None,
+    backend: str,
+    validate: bool | None,
+    return_details: bool,
+) -> Tensor | WithDetails[LogitsDetails]:
+    check_plan_options(backend, memory_budget, chunk_size)
+    check_backend(backend)
+    logits, logits_ref = check_logits_pair(logits, logits_ref)
+    tau = check_temperature(temperature)
+    checks = ValueChecks(resolve_validate(validate))
+    v = logits.shape[-1]
+    pos: Positions = positions(
+        logits.shape[:-1],
+        logits.device,
+        direction="pi||ref",  # the divergence is output 0, where finish() reads KL(pi||ref)
+        reduction=reduction,
+        mask=mask,
+        labels=labels,
+        vocab_size=v,
+        ignore_index=ignore_index,
+        details=return_details,
+        checks=checks,
+    )
+    plan = DivergencePlan(
+        div=div,
+        inv_tau=1.0 / tau,
+        want_entropy=return_details,
+        chunk=chunk_rows(bytes_per_row(v), logits.device, memory_budget, chunk_size),
+    )
+    z, y = logits.reshape(-1, v), logits_ref.reshape(-1, v)
+    outputs = rows_divergence(z, y, pos.labels, pos.rows, plan, checks)
+    checks.run()
+    return finish(outputs, pos)
+
+
+def jsd_from_logits(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    beta: float,
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
+    r"""Exact per-position generalized Jensen-Shannon divergence between pi and ref, from logits.
+
+    .. math::
+        JSD_\beta(\pi_n, ref_n) = \beta\, KL(ref_n\|m_n) + (1-\beta)\, KL(\pi_n\|m_n), \quad
+        m_n = \beta\, ref_n + (1-\beta)\, \pi_n,
+
+    with :math:`\pi_n = \mathrm{softmax}(z_n/T)` (``logits``, the student) and
+    :math:`ref_n = \mathrm{softmax}(y_n/T)` (``logits_ref``, the teacher), for
+    :math:`0 < \beta < 1`; :math:`KL(ref\|\pi)` at :math:`\beta = 0` and :math:`KL(\pi\|ref)` at
+    :math:`\beta = 1`. No samples: sums over the whole vocabulary. The value equals TRL's
+    ``generalized_jsd_loss(student_logits=logits, teacher_logits=logits_ref, beta=beta)`` per
+    position (its GKD / distillation trainers' ``beta``: 0 gives KL(teacher||student), 1 gives
+    KL(student||teacher)), and Liger-Kernel's ``LigerJSD`` / ``LigerFusedLinearJSD`` with the
+    same ``beta`` (student log-probs as its input, teacher's as its target).
+
+    Continuity: the mixture formula tends to 0 as :math:`\beta \to 0` or :math:`1`
+    (:math:`JSD_\beta = \beta\,KL(ref\|\pi) + O(\beta^2)`); TRL and Liger return the KL at the
+    two ends, and so does this function, so the value jumps there. What is continuous is
+    :math:`JSD_\beta / (\beta(1-\beta))`, which tends to :math:`KL(ref\|\pi)` and
+    :math:`KL(\pi\|ref)` at the ends: divide by :math:`\beta(1-\beta)` to sweep ``beta``
+    smoothly.
+
+    Gradients to both logits (``logits_ref`` when it requires grad), with
+    :math:`m` as above:
+    :math:`\partial/\partial z = \tfrac{1-\beta}{T}\,\pi\odot(\log\pi - \log m - KL(\pi\|m))`,
+    :math:`\partial/\partial y = \tfrac{\beta}{T}\,ref\odot(\log ref - \log m - KL(ref\|m))`.
+    Always finite (``0 log 0 = 0``; ``-inf`` logits are outside the support); bounded by
+    :math:`h(\beta) \le \log 2` (the binary entropy of :math:`\beta`). Math in float32 for
+    float32 / bf16 / fp16 inputs, float64 for float64; gradients in the inputs' dtypes.
+
+    See "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes"
+    (Agarwal et al., ICLR 2024, https://arxiv.org/abs/2306.13649, Eq. 1) for the generalized
+    JSD, and TRL (https://huggingface.co/docs/trl) and Liger-Kernel
+    (https://github.com/linkedin/Liger-Kernel) for the ``beta`` convention.
+
+    Args:
+      logits: pi's (the student's) logits ``[..., V]``, any float dtype.
+      logits_ref: ref's (the teacher's) logits, same shape and device.
+      beta: ref's weight in the mixture, in ``[0, 1]`` (TRL's and Liger's ``beta``).
+      mask: bool ``[...]``, True at positions that count; others give 0 and no gradient.
+      reduction: over the per-position values ``[...]`` by the rule of
+        :mod:`klest.aggregation` (default ``"seq-mean-token-sum"``; ``"none"`` keeps ``[...]``).
+      temperature: :math:`T > 0`, dividing both logits.
+      labels: int ``[...]`` token ids (already shifted); ``ignore_index`` positions are masked.
+      ignore_index: the label of positions to leave out (default -100).
+      memory_budget: bytes of chunk workspace (default 32 MiB on the CPU, 1 GiB on a GPU).
+      chunk_size: rows per chunk, overriding ``memory_budget``.
+      backend: ``"auto"`` or ``"torch"`` (chunked PyTorch); ``"triton"`` only at
+        ``beta`` 0 or 1, where the KL kernels apply.
+      validate: check for rows with NaN / ``+inf`` logits or no finite logit, labels out of
+        range, non-0/1 masks (None: the global default).
+      return_details: also return a :class:`~klest.LogitsDetails` (label log-probs, pi's
+        entropy, diagnostics); for ``0 < beta < 1`` these carry no gradient.
+
+    Returns:
+      The reduced JSD in float32 (float64 for float64 inputs); with ``return_details``,
+      ``(jsd, details)``.
+
+    Raises:
+      ValueError: ``beta`` outside ``[0, 1]``, mismatched shapes, NaN / ``+inf`` logits or a
+        row of only ``-inf`` at a kept position, bad mask / labels / temperature / names.
+
+    Example:
+      >>> z = torch.randn(2, 5, 11, requires_grad=True); y = torch.randn(2, 5, 11)
+      >>> jsd = jsd_from_logits(z, y, beta=0.5, reduction="none")
+      >>> bool((jsd >= 0).all() and (jsd <= math.log(2)).all())
+      True
+      >>> jsd.sum().backward()
+      >>> ends = jsd_from_logits(z, y, beta=0.0), kl_from_logits(z, y, direction="ref||pi")
+      >>> torch.allclose(*ends)
+      True
+    """
+    beta = check_unit_interval("beta", beta, open_low=False, open_high=False)
+    options = dict(
+        mask=mask,
+        reduction=reduction,
+        temperature=temperature,
+        labels=labels,
+        ignore_index=ignore_index,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        validate=validate,
+        return_details=return_details,
+    )
+    if beta in (0.0, 1.0):
+        direction = "ref||pi" if beta == 0.0 else "pi||ref"
+        return kl_from_logits(logits, logits_ref, direction=direction, **options)
+    return _from_logits(jsd_divergence(beta), logits, logits_ref, **options)
+
+
+def skew_kl_from_logits(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    alpha: float,
+    direction: Direction = "pi||ref",
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
+    r"""Exact per-position skew KL: the KL to a mixture that keeps some of the first argument.
+
+    .. math::
+        KL(\pi_n \,\|\, \alpha\pi_n + (1-\alpha)\, ref_n) \quad\text{or}\quad
+        KL(ref_n \,\|\, \alpha\, ref_n + (1-\alpha)\pi_n)\ (\texttt{direction="ref||pi"}),
+
+    with :math:`\pi_n = \mathrm{softmax}(z_n/T)` and :math:`ref_n = \mathrm{softmax}(y_n/T)`.
+    At :math:`\alpha = 0` it is the KL (:func:`klest.kl_from_logits`), continuously in
+    :math:`\alpha`; for :math:`\alpha > 0` it is always finite, at most :math:`-\log\alpha`.
+    Gradients to both logits; the options are those of :func:`jsd_from_logits`. It is the
+    :math:`\beta \to 0` / :math:`1` building block of the generalized JSD:
+    :math:`JSD_\beta = \beta\,KL(ref\|m) + (1-\beta)\,KL(\pi\|m)` where
+    :math:`KL(\pi\|m)` is the ``"pi||ref"`` skew KL at :math:`\alpha = 1-\beta`.
+
+    See L. Lee, "Measures of Distributional Similarity" (ACL 1999,
+    https://aclanthology.org/P99-1004/) for the skew divergence.
+
+    Args:
+      logits: pi's logits ``[..., V]``, any float dtype.
+      logits_ref: ref's logits, same shape and device.
+      alpha: the first argument's weight in the mixture, in ``[0, 1)``.
+      direction: ``"pi||ref"`` (pi first) or ``"ref||pi"`` (ref first).
+      mask: as in :func:`jsd_from_logits`.
+      reduction: as in :func:`jsd_from_logits`.
+      temperature: as in :func:`jsd_from_logits`.
+      labels: as in :func:`jsd_from_logits`.
+      ignore_index: as in :func:`jsd_from_logits`.
+      memory_budget: as in :func:`jsd_from_logits`.
+      chunk_size: as in :func:`jsd_from_logits`.
+      backend: ``"auto"`` or ``"torch"`` (``"triton"`` only at ``alpha = 0``).
+      validate: as in :func:`jsd_from_logits`.
+      return_details: as in :func:`jsd_from_logits`.
+
+    Returns:
+      The reduced skew KL (float32, float64 for float64 inputs); with ``return_details``,
+      ``(value, details)``.
+
+    Example:
+      >>> z = torch.randn(3, 7, requires_grad=True); y = torch.randn(3, 7)
+      >>> s = skew_kl_from_logits(z, y, alpha=0.1, reduction="none")
+      >>> bool((s <= -math.log(0.1)).all())
+      True
+      >>> s.sum().backward()
+    """
+    check_direction(direction)
+    alpha = check_unit_interval("alpha", alpha, open_low=False, open_high=True)
+    options = dict(
+        mask=mask,
+        reduction=reduction,
+        temperature=temperature,
+        labels=labels,
+        ignore_index=ignore_index,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        validate=validate,
+        return_details=return_details,
+    )
+    if alpha == 0.0:
+        return kl_from_logits(logits, logits_ref, direction=direction, **options)
+    return _from_logits(skew_divergence(alpha, direction), logits, logits_ref, **options)
+
+
+def tv_from_logits(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
+    r"""Exact per-position total variation distance between pi and ref, from logits.
+
+    .. math::
+        TV(\pi_n, ref_n) = \tfrac12 \textstyle\sum_v |\pi_{n,v} - ref_{n,v}| \in [0, 1],
+
+    with :math:`\pi_n = \mathrm{softmax}(z_n/T)` and :math:`ref_n = \mathrm{softmax}(y_n/T)`;
+    symmetric. Gradient: :math:`\partial/\partial z = \tfrac1{2T}\,\pi\odot(s - \langle\pi,
+    s\rangle)` with :math:`s = \mathrm{sign}(\pi - ref)`, and the same with :math:`-s` and
+    :math:`ref` for ``y``. TV is not differentiable where :math:`\pi_v = ref_v`; there
+    ``sign(0) = 0`` gives a subgradient, and at :math:`\pi = ref` the returned gradient is 0
+    (the minimum). Pinsker: :math:`TV \le \sqrt{KL/2}` for either KL. Options as in
+    :func:`jsd_from_logits`.
+
+    See A. B. Tsybakov, "Introduction to Nonparametric Estimation" (Springer, 2009, Chapter 2)
+    for the total variation distance and Pinsker's inequality.
+
+    Args:
+      logits: pi's logits ``[..., V]``, any float dtype.
+      logits_ref: ref's logits, same shape and device.
+      mask: as in :func:`jsd_from_logits`.
+      reduction: as in :func:`jsd_from_logits`.
+      temperature: as in :func:`jsd_from_logits`.
+      labels: as in :func:`jsd_from_logits`.
+      ignore_index: as in :func:`jsd_from_logits`.
+      memory_budget: as in :func:`jsd_from_logits`.
+      chunk_size: as in :func:`jsd_from_logits`.
+      backend: ``"auto"`` or ``"torch"``.
+      validate: as in :func:`jsd_from_logits`.
+      return_details: as in :func:`jsd_from_logits`.
+
+    Returns:
+      The reduced TV (float32, float64 for float64 inputs); with ``return_details``,
+      ``(tv, details)``.
+
+    Example:
+      >>> z = torch.tensor([[0.0, 0.0]]); y = torch.tensor([[0.0, -float("inf")]])
+      >>> tv_from_logits(z, y, reduction="none")  # (1/2 |1/2 - 1| + 1/2 |1/2 - 0|)
+      tensor([0.5000])
+    """
+    return _from_logits(
+        TV,
+        logits,
+        logits_ref,
+        mask=mask,
+        reduction=reduction,
+        temperature=temperature,
+        labels=labels,
+        ignore_index=ignore_index,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        validate=validate,
+        return_details=return_details,
+    )
