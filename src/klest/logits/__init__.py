@@ -17,6 +17,7 @@ from klest.logits._call import LogitsDetails
 from klest.logits.from_logits import kl_from_logits
 from klest.logits.from_hidden import kl_from_hidden
 from klest.logits.divergences import jsd_from_logits
+from klest.logits.divergences import jsd_from_hidden
 from klest.logits.divergences import skew_kl_from_logits
 from klest.logits.divergences import tv_from_logits
 from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
@@ -26,6 +27,7 @@ __all__ = [
     "KLRowStats",
     "LogitsDetails",
     "categorical_kl",
+    "jsd_from_hidden",
     "jsd_from_logits",
     "kl_from_hidden",
     "kl_from_logits",

@@ -51,6 +51,7 @@ from klest.logits._divergence_rows import (
     divergence_rows,
 )
 from klest.logits._rows import chunk_rows
+from klest.logits.from_hidden import kl_from_hidden, run_hidden
 from klest.logits.from_logits import kl_from_logits
 
 
@@ -83,10 +84,64 @@ TV = Divergence("tv")
 
 @dataclass(frozen=True)
 class DivergencePlan:
+    """The row plan of a divergence (also a :class:`klest.logits.from_hidden.HiddenRowPlan`):
+    per row ``ROW_OUTPUTS`` of :mod:`klest.logits._divergence_rows`; only the value has a
+    gradient."""
+
     div: Divergence
     inv_tau: float
     want_entropy: bool
     chunk: int
+    n_stats: int = 6
+    constant: tuple[int, ...] = (1, 2, 3, 4)
+
+    def stats(
+        self, z_c: Tensor, y_c: Tensor, labels: Tensor | None, rows: Tensor | None = None
+    ) -> Tensor:
+        return divergence_rows(
+            z_c,
+            y_c,
+            self.div,
+            inv_tau=self.inv_tau,
+            labels=labels,
+            rows=rows,
+            want_entropy=self.want_entropy,
+            chunk=self.chunk,
+        )
+
+    def outputs(self, out: Tensor) -> tuple[Tensor, ...]:
+        """``(D, 0, entropy, logp, logp_ref)``: the order of ``klest.logits._call.OUTPUTS``,
+        with the divergence where ``finish`` reads ``KL(pi||ref)``."""
+        value, entropy, logp, logp_ref = (t.clone() for t in out[:4])
+        return value, torch.zeros_like(value), entropy, logp, logp_ref
+
+    def lse(self, out: Tensor) -> tuple[Tensor, Tensor]:
+        return out[4], out[5]
+
+    def grads(
+        self,
+        z_c: Tensor,
+        y_c: Tensor,
+        saved: Tensor | None,
+        grads: tuple[Tensor | None, ...],
+        labels: Tensor | None,
+        need_z: bool,
+        need_y: bool,
+        rows: Tensor | None = None,
+    ) -> tuple[Tensor | None, Tensor | None]:
+        if grads[0] is None:
+            return None, None
+        return divergence_grads(
+            z_c,
+            y_c,
+            self.div,
+            grads[0],
+            inv_tau=self.inv_tau,
+            rows=rows,
+            need_z=need_z,
+            need_y=need_y,
+            chunk=self.chunk,
+        )
 
 
 def bytes_per_row(v: int) -> int:
@@ -109,42 +164,20 @@ class _RowsDivergence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, z, y, labels, rows, plan: DivergencePlan, checks: ValueChecks):
         ctx.set_materialize_grads(False)
-        out = divergence_rows(
-            z,
-            y,
-            plan.div,
-            inv_tau=plan.inv_tau,
-            labels=labels,
-            rows=rows,
-            want_entropy=plan.want_entropy,
-            chunk=plan.chunk,
-        )
-        check_rows_have_distributions(out[4], out[5], None, checks)
+        out = plan.stats(z, y, labels, rows)
+        check_rows_have_distributions(*plan.lse(out), None, checks)
         ctx.plan = plan
         ctx.save_for_backward(z, y, rows)
-        value, entropy, logp, logp_ref = (t.clone() for t in out[:4])
-        unused = torch.zeros_like(value)
-        ctx.mark_non_differentiable(unused, entropy, logp, logp_ref)
-        return value, unused, entropy, logp, logp_ref
+        outputs = plan.outputs(out)
+        ctx.mark_non_differentiable(*(outputs[i] for i in plan.constant))
+        return outputs
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad, *_):
+    def backward(ctx, *grads):
         z, y, rows = ctx.saved_tensors
-        if grad is None:
-            return None, None, None, None, None, None
-        plan: DivergencePlan = ctx.plan
-        dz, dy = divergence_grads(
-            z,
-            y,
-            plan.div,
-            grad,
-            inv_tau=plan.inv_tau,
-            rows=rows,
-            need_z=ctx.needs_input_grad[0],
-            need_y=ctx.needs_input_grad[1],
-            chunk=plan.chunk,
-        )
+        need_z, need_y = ctx.needs_input_grad[:2]
+        dz, dy = ctx.plan.grads(z, y, None, grads, None, need_z, need_y, rows)
         return dz, dy, None, None, None, None
 
 
@@ -461,4 +494,119 @@ def tv_from_logits(
         backend=backend,
         validate=validate,
         return_details=return_details,
+    )
+
+
+def jsd_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    hidden_ref: Tensor | None = None,
+    weight_ref: Tensor | None = None,
+    *,
+    beta: float,
+    logits_ref: Tensor | None = None,
+    bias: Tensor | None = None,
+    bias_ref: Tensor | None = None,
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
+    r"""Exact per-position generalized JSD between pi = softmax(h W^T / T) and ref, fused with
+    the LM heads (no ``[N, V]`` logits are ever held).
+
+    .. math::
+        JSD_\beta(\pi_n, ref_n) = \beta\, KL(ref_n\|m_n) + (1-\beta)\, KL(\pi_n\|m_n), \quad
+        m_n = \beta\, ref_n + (1-\beta)\,\pi_n, \\
+        \pi_n = \mathrm{softmax}((W h_n + b)/T), \;
+        ref_n = \mathrm{softmax}((W_{ref} h^{ref}_n + b_{ref})/T),
+
+    equal to :func:`jsd_from_logits` on the materialized logits (``beta`` as there: TRL's and
+    Liger-Kernel's, :math:`KL(ref\|\pi)` at 0 and :math:`KL(\pi\|ref)` at 1, where this is
+    :func:`klest.kl_from_hidden`), with gradients to ``hidden``, ``weight``, ``bias`` and, when
+    they require grad, to ref's tensors. Chunks of rows make their logits, reduce them, and drop
+    them; the backward recomputes them. Liger-Kernel's ``LigerFusedLinearJSD``
+    (https://github.com/linkedin/Liger-Kernel) computes the same loss (its ``beta`` is this
+    ``beta``) in its ``batchmean`` reduction, klest's ``"token-mean"``.
+
+    See "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes"
+    (Agarwal et al., ICLR 2024, https://arxiv.org/abs/2306.13649) for the generalized JSD.
+
+    Args:
+      hidden: pi's (the student's) final hidden states ``[..., H]`` (already shifted).
+      weight: pi's LM head ``[V, H]``.
+      hidden_ref: ref's (the teacher's) hidden states ``[..., H_ref]`` with ``weight_ref``
+        ``[V, H_ref]``; or give ``logits_ref`` ``[..., V]`` instead.
+      weight_ref: ref's LM head.
+      beta: ref's weight in the mixture, in ``[0, 1]``.
+      logits_ref: ref's logits, instead of ``hidden_ref`` / ``weight_ref``.
+      bias: pi's LM-head bias ``[V]``, if any.
+      bias_ref: ref's LM-head bias ``[V]``, if any.
+      mask: bool ``[...]``, True at positions that count.
+      reduction: as in :func:`jsd_from_logits`.
+      temperature: :math:`T > 0`, dividing both models' logits.
+      labels: int ``[...]`` token ids; ``ignore_index`` positions are masked.
+      ignore_index: the label of positions to leave out.
+      memory_budget: bytes for one chunk's logits and workspace (default 32 MiB on the CPU,
+        1 GiB on a GPU).
+      chunk_size: rows per chunk, overriding ``memory_budget``.
+      backend: ``"auto"`` or ``"torch"`` (``"triton"`` only at ``beta`` 0 or 1).
+      validate: as in :func:`jsd_from_logits`.
+      return_details: as in :func:`jsd_from_logits`.
+
+    Returns:
+      As :func:`jsd_from_logits`.
+
+    Example:
+      >>> head, ref_head = torch.nn.Linear(8, 50), torch.nn.Linear(8, 50)
+      >>> h, h_ref = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+      >>> jsd = jsd_from_hidden(h, head.weight, h_ref, ref_head.weight, beta=0.5,
+      ...                       bias=head.bias, bias_ref=ref_head.bias)
+      >>> jsd.backward()  # gradients reach head.weight and head.bias
+      >>> head.weight.grad.shape
+      torch.Size([50, 8])
+    """
+    beta = check_unit_interval("beta", beta, open_low=False, open_high=False)
+    options = dict(
+        logits_ref=logits_ref,
+        bias=bias,
+        bias_ref=bias_ref,
+        mask=mask,
+        reduction=reduction,
+        temperature=temperature,
+        labels=labels,
+        ignore_index=ignore_index,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        validate=validate,
+        return_details=return_details,
+    )
+    if beta in (0.0, 1.0):
+        direction = "ref||pi" if beta == 0.0 else "pi||ref"
+        return kl_from_hidden(
+            hidden, weight, hidden_ref, weight_ref, direction=direction, **options
+        )
+    check_backend(backend)
+    div = jsd_divergence(beta)
+
+    def make_plan(inv_tau: float, _: str, chunk: int) -> DivergencePlan:
+        return DivergencePlan(div, inv_tau, return_details, chunk)
+
+    options["backend"] = "torch"
+    return run_hidden(
+        hidden,
+        weight,
+        hidden_ref,
+        weight_ref,
+        direction="pi||ref",
+        make_plan=make_plan,
+        workspace=bytes_per_row,
+        **options,
     )
