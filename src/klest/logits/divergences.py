@@ -36,14 +36,12 @@ from torch.autograd.function import once_differentiable
 from klest._checks import (
     ValueChecks,
     check_direction,
-    check_logits_pair,
     check_rows_have_distributions,
-    check_temperature,
     resolve_validate,
 )
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import WithDetails
-from klest.logits._call import LogitsDetails, Positions, check_plan_options, finish, positions
+from klest.logits._call import LogitsDetails, check_plan_options, finish
 from klest.logits._divergence_rows import (
     BUFFERS_PER_ROW,
     Divergence,
@@ -52,7 +50,27 @@ from klest.logits._divergence_rows import (
 )
 from klest.logits._rows import chunk_rows
 from klest.logits.from_hidden import kl_from_hidden, run_hidden
-from klest.logits.from_logits import kl_from_logits
+from klest.logits.from_logits import kl_from_logits, logits_positions
+
+_OPTIONS = (
+    "mask",
+    "reduction",
+    "temperature",
+    "labels",
+    "ignore_index",
+    "memory_budget",
+    "chunk_size",
+    "backend",
+    "validate",
+    "return_details",
+)
+"""The options every function here passes on unchanged."""
+_HIDDEN_OPTIONS = ("logits_ref", "bias", "bias_ref", *_OPTIONS)
+
+
+def _options(values: dict, names: tuple[str, ...]) -> dict:
+    """The named options out of a function's ``locals()``."""
+    return {name: values[name] for name in names}
 
 
 def check_unit_interval(name: str, value: object, *, open_low: bool, open_high: bool) -> float:
@@ -181,18 +199,6 @@ class _RowsDivergence(torch.autograd.Function):
         return dz, dy, None, None, None, None
 
 
-def rows_divergence(
-    z: Tensor,
-    y: Tensor,
-    labels: Tensor | None,
-    rows: Tensor | None,
-    plan: DivergencePlan,
-    checks: ValueChecks,
-) -> tuple[Tensor, ...]:
-    """Apply the autograd Function to ``[N, V]`` logits; five float ``[N]`` outputs."""
-    return _RowsDivergence.apply(z, y, labels, rows, plan, checks)
-
-
 def _from_logits(
     div: Divergence,
     logits: Tensor,
@@ -211,19 +217,16 @@ def _from_logits(
 ) -> Tensor | WithDetails[LogitsDetails]:
     check_plan_options(backend, memory_budget, chunk_size)
     check_backend(backend)
-    logits, logits_ref = check_logits_pair(logits, logits_ref)
-    tau = check_temperature(temperature)
     checks = ValueChecks(resolve_validate(validate))
-    v = logits.shape[-1]
-    pos: Positions = positions(
-        logits.shape[:-1],
-        logits.device,
+    z, y, pos, tau = logits_positions(
+        logits,
+        logits_ref,
         direction="pi||ref",  # the divergence is output 0, where finish() reads KL(pi||ref)
-        reduction=reduction,
+        temperature=temperature,
         mask=mask,
         labels=labels,
-        vocab_size=v,
         ignore_index=ignore_index,
+        reduction=reduction,
         details=return_details,
         checks=checks,
     )
@@ -231,10 +234,9 @@ def _from_logits(
         div=div,
         inv_tau=1.0 / tau,
         want_entropy=return_details,
-        chunk=chunk_rows(bytes_per_row(v), logits.device, memory_budget, chunk_size),
+        chunk=chunk_rows(bytes_per_row(z.shape[1]), z.device, memory_budget, chunk_size),
     )
-    z, y = logits.reshape(-1, v), logits_ref.reshape(-1, v)
-    outputs = rows_divergence(z, y, pos.labels, pos.rows, plan, checks)
+    outputs = _RowsDivergence.apply(z, y, pos.labels, pos.rows, plan, checks)
     checks.run()
     return finish(outputs, pos)
 
@@ -328,18 +330,7 @@ def jsd_from_logits(
       True
     """
     beta = check_unit_interval("beta", beta, open_low=False, open_high=False)
-    options = dict(
-        mask=mask,
-        reduction=reduction,
-        temperature=temperature,
-        labels=labels,
-        ignore_index=ignore_index,
-        memory_budget=memory_budget,
-        chunk_size=chunk_size,
-        backend=backend,
-        validate=validate,
-        return_details=return_details,
-    )
+    options = _options(locals(), _OPTIONS)
     if beta in (0.0, 1.0):
         direction = "ref||pi" if beta == 0.0 else "pi||ref"
         return kl_from_logits(logits, logits_ref, direction=direction, **options)
@@ -409,18 +400,7 @@ def skew_kl_from_logits(
     """
     check_direction(direction)
     alpha = check_unit_interval("alpha", alpha, open_low=False, open_high=True)
-    options = dict(
-        mask=mask,
-        reduction=reduction,
-        temperature=temperature,
-        labels=labels,
-        ignore_index=ignore_index,
-        memory_budget=memory_budget,
-        chunk_size=chunk_size,
-        backend=backend,
-        validate=validate,
-        return_details=return_details,
-    )
+    options = _options(locals(), _OPTIONS)
     if alpha == 0.0:
         return kl_from_logits(logits, logits_ref, direction=direction, **options)
     return _from_logits(skew_divergence(alpha, direction), logits, logits_ref, **options)
@@ -573,21 +553,7 @@ def jsd_from_hidden(
       torch.Size([50, 8])
     """
     beta = check_unit_interval("beta", beta, open_low=False, open_high=False)
-    options = dict(
-        logits_ref=logits_ref,
-        bias=bias,
-        bias_ref=bias_ref,
-        mask=mask,
-        reduction=reduction,
-        temperature=temperature,
-        labels=labels,
-        ignore_index=ignore_index,
-        memory_budget=memory_budget,
-        chunk_size=chunk_size,
-        backend=backend,
-        validate=validate,
-        return_details=return_details,
-    )
+    options = _options(locals(), _HIDDEN_OPTIONS)
     if beta in (0.0, 1.0):
         direction = "ref||pi" if beta == 0.0 else "pi||ref"
         return kl_from_hidden(
