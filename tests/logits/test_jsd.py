@@ -13,12 +13,20 @@ reference, so only arithmetic differs. Gradients: float64 by ``gradcheck``; floa
 from __future__ import annotations
 
 import math
+import os
 import warnings
 
 import pytest
 import torch
 
-from klest.logits import jsd_from_logits, kl_from_logits, skew_kl_from_logits, tv_from_logits
+from klest.logits import (
+    jsd_from_hidden,
+    jsd_from_logits,
+    kl_from_logits,
+    skew_kl_from_logits,
+    tv_from_logits,
+)
+from klest.logits.kernels import triton_available
 from tests._reference import assert_verbose_close, reduce_reference
 
 INF = math.inf
@@ -327,8 +335,8 @@ def test_bad_input():
         jsd_from_logits(z, y, beta=True)
     with pytest.raises(ValueError, match="alpha"):
         skew_kl_from_logits(z, y, alpha=1.0)
-    with pytest.raises(ValueError, match="triton"):
-        tv_from_logits(z, y, backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        tv_from_logits(z, y, backend="cuda")
     bad = z.clone()
     bad[1, 2] = torch.nan
     with pytest.raises(ValueError, match="logits has 1 row"):
@@ -337,3 +345,58 @@ def test_bad_input():
         jsd_from_logits(z, y[:, :4], beta=0.5)
     with pytest.raises(ValueError, match="direction"):
         skew_kl_from_logits(z, y, alpha=0.5, direction="forward")
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_triton = pytest.mark.skipif(
+    not triton_available(),
+    reason="needs triton with CUDA or TRITON_INTERPRET=1 (make test sets it)",
+)
+
+
+@needs_triton
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_matches_reference(name, dtype):
+    """The Triton kernels (float32 arithmetic): values within 2e-5 (1 + |ref|) of the reference,
+    gradients within 1e-5 max|ref| plus half an ulp of the input dtype of the float64 PyTorch
+    path's; -inf entries and a masked NaN row included."""
+    z, y = _masked_vocab()
+    z, y = torch.cat([z, 2 * z.nan_to_num(neginf=-3.0)]), torch.cat([y, y.flip(0)])
+    z, y = z.to(dtype), y.to(dtype)
+    mask = torch.ones(z.shape[0], dtype=torch.bool)
+    mask[5] = False
+    z[5, 1] = torch.nan  # never read
+    kw = dict(beta=0.3, alpha=0.2, temperature=1.3)
+    want = divergences_reference(z.double(), y.double(), **kw)[name]
+    want = torch.where(mask, want, 0.0)
+    zz, yy = z.clone().requires_grad_(True), y.clone().requires_grad_(True)
+    g = torch.linspace(0.5, 2.0, z.shape[0], dtype=torch.float64)
+    got = _call(name, zz, yy, mask=mask, reduction="none", backend="triton", **kw)
+    assert_verbose_close(got.double(), want, atol=2e-5, rtol=2e-5)
+    (got.double() * g).sum().backward()
+    # gradients: the PyTorch path in float64 (tested against the reference above, -inf rows
+    # included), on the same inputs
+    z64, y64 = z.double().requires_grad_(True), y.double().requires_grad_(True)
+    ref_value = _call(name, z64, y64, mask=mask, reduction="none", backend="torch", **kw)
+    dz, dy = torch.autograd.grad((ref_value * g).sum(), (z64, y64))
+    # Triton's interpreter truncates float32 -> bfloat16 (a GPU rounds to nearest): a whole ulp.
+    rounding = 2 * HALF_ULP[dtype] if INTERPRET and dtype == torch.bfloat16 else HALF_ULP[dtype]
+    for got_g, ref in ((zz.grad, dz), (yy.grad, dy)):
+        assert bool(torch.isfinite(got_g).all())
+        atol = 1e-5 * ref.abs().max() + rounding * ref.abs()
+        assert_verbose_close(got_g.double(), ref, atol=atol, what=f"{name} {dtype}")
+
+
+@needs_triton
+def test_triton_hidden_matches_torch():
+    g = torch.Generator().manual_seed(4)
+    h, w, hr, wr = (torch.randn(*s, generator=g) for s in ((3, 4, 8), (37, 8), (3, 4, 5), (37, 5)))
+    w.requires_grad_(True)
+    got, want = (
+        jsd_from_hidden(h, w, hr, wr, beta=0.4, backend=backend, chunk_size=5)
+        for backend in ("triton", "torch")
+    )
+    assert float(got.detach()) == pytest.approx(float(want.detach()), rel=1e-5)
+    (dw_got,), (dw_want,) = (torch.autograd.grad(t, (w,)) for t in (got, want))
+    assert_verbose_close(dw_got, dw_want, atol=1e-5 * float(dw_want.abs().max()))

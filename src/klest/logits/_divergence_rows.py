@@ -30,7 +30,6 @@ saves nothing ``[N, V]``-sized; the backward recomputes each chunk's log-probabi
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -44,23 +43,18 @@ from klest.logits._rows import (
     _scaled,
     _take,
     _work_dtype,
+    zero_rows_except,
     zeroed_rows_buffer,
 )
+from klest.logits._stats import Divergence
+from klest.logits.kernels import divergence_backward, divergence_forward, kl_logits_forward
 
-# Float32 buffers of V entries per row of a chunk: a, b, log q, log p, log m, and one product.
-BUFFERS_PER_ROW = 6
-ROW_OUTPUTS = ("value", "entropy", "logp_label", "logp_ref_label", "lse_z", "lse_y")
-"""The per-row outputs of :func:`divergence_rows`, in order."""
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """Which per-row divergence: ``"mixture"`` (``w``, ``c_q``, ``c_p``) or ``"tv"``."""
-
-    kind: str
-    w: float = 0.5
-    c_q: float = 0.0
-    c_p: float = 0.0
+# Float32 buffers of V entries per row of a chunk in the backward (the larger pass): a, b,
+# log q, log p, q, p, log m, r, G_q, G_p.
+BUFFERS_PER_ROW = 10
+ROW_OUTPUTS = ("value", "entropy", "logp_label", "logp_ref_label", "lse_z", "lse_y", "s_q", "s_p")
+"""The per-row outputs of :func:`divergence_rows`, in order (``s_q = <q, G_q>`` and
+``s_p = <p, G_p>``: from the Triton backend, for its backward; 0 from the PyTorch one)."""
 
 
 def _where_support(w: Tensor, x: Tensor) -> Tensor:
@@ -124,22 +118,44 @@ def divergence_rows(
     rows: Tensor | None,
     want_entropy: bool,
     chunk: int,
+    backend: str = "torch",
 ) -> Tensor:
-    """``[6, N]`` per-row outputs (``ROW_OUTPUTS``) of the selected rows (others 0).
+    """``[8, N]`` per-row outputs (``ROW_OUTPUTS``) of the selected rows (others 0).
 
     Rows whose logits have NaN, ``+inf`` or nothing but ``-inf`` get a non-finite ``lse``
     (the caller rejects them).
     """
     n = z.shape[0]
+    if backend == "triton":
+        tau = 1.0 / inv_tau
+        stats = kl_logits_forward(
+            z,
+            y,
+            temperature=tau,
+            labels=labels,
+            want_kl_pi_ref=False,
+            want_kl_ref_pi=False,
+            want_entropy=want_entropy,
+        )
+        mix = divergence_forward(z, y, stats.lse_z, stats.lse_y, div, temperature=tau)
+        out = torch.stack(
+            (mix[0], stats.entropy, stats.logp_label, stats.logp_ref_label,
+             stats.lse_z, stats.lse_y, mix[1], mix[2])
+        )  # fmt: skip
+        if rows is None:
+            return out
+        keep = torch.zeros(n, dtype=torch.bool, device=z.device).index_fill_(0, rows, True)
+        return torch.where(keep, out, 0.0)
     out = torch.zeros(len(ROW_OUTPUTS), n, dtype=_work_dtype(z), device=z.device)
     for sel in _chunks(n, rows, chunk):
         a, b, la, lb = _log_probs(z, y, sel, inv_tau, out.dtype)
         q, p = la.exp(), lb.exp()
         value = _value(div, la, lb, q, p)
         lab = None if labels is None else _take(labels, sel)
-        entropy = -(q * _where_support(q, la)).sum(-1) if want_entropy else torch.zeros_like(value)
+        zeros = torch.zeros_like(value)
+        entropy = -(q * _where_support(q, la)).sum(-1) if want_entropy else zeros
         stats = (value, entropy, _label_logps(la, lab), _label_logps(lb, lab))
-        _put(out, sel, torch.stack((*stats, _lse(a, la), _lse(b, lb))))
+        _put(out, sel, torch.stack((*stats, _lse(a, la), _lse(b, lb), zeros, zeros)))
     return out
 
 
@@ -154,8 +170,21 @@ def divergence_grads(
     need_z: bool,
     need_y: bool,
     chunk: int,
+    backend: str = "torch",
+    saved: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``grad[n] * dD_n/dz`` and ``... /dy`` (in the inputs' dtypes; 0 on rows not selected)."""
+    """``grad[n] * dD_n/dz`` and ``... /dy`` (in the inputs' dtypes; 0 on rows not selected).
+
+    The Triton backend reads ``lse_z``, ``lse_y``, ``s_q`` and ``s_p`` from ``saved`` (what
+    :func:`divergence_rows` returned); the PyTorch one recomputes everything."""
+    if backend == "triton":
+        assert saved is not None
+        lse_z, lse_y, s_q, s_p = (saved[ROW_OUTPUTS.index(k)] for k in ROW_OUTPUTS[4:])
+        dz, dy = divergence_backward(
+            z, y, lse_z, lse_y, s_q, s_p, grad.float(), div, temperature=1.0 / inv_tau,
+            need_grad_z=need_z, need_grad_y=need_y,
+        )  # fmt: skip
+        return zero_rows_except(dz, rows), zero_rows_except(dy, rows)
     dz = zeroed_rows_buffer(z, rows) if need_z else None
     dy = zeroed_rows_buffer(y, rows) if need_y else None
     if not (need_z or need_y):

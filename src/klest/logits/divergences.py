@@ -11,10 +11,11 @@ temperature :math:`\tau`, :math:`\pi = \mathrm{softmax}(z/\tau)`,
     TV(\pi, ref) = \tfrac12 \textstyle\sum_v |\pi_v - ref_v|,
 
 exactly, over the whole vocabulary, memory-bounded (row chunks, as :func:`klest.kl_from_logits`),
-with gradients to both logits. The row engine is :mod:`klest.logits._divergence_rows`; positions,
-masks, labels and reductions are those of :mod:`klest.logits._call`. There is no Triton kernel
-for these divergences: ``backend="auto"`` computes them in chunked PyTorch on every device
-(except the KL limits of the JSD, which are :func:`klest.kl_from_logits`'s).
+with gradients to both logits. The row engine is :mod:`klest.logits._divergence_rows` (chunked
+PyTorch) or, on CUDA, the Triton kernels of :mod:`klest.logits.kernels.divergence` (forward: the
+log-normalizers by the KL kernel, then one more read for the divergence; backward: one read,
+one write of each gradient); positions, masks, labels and reductions are those of
+:mod:`klest.logits._call`.
 
 The JSD's ``beta`` is TRL's (``generalized_jsd_loss`` of its GKD / distillation trainers) and
 Liger-Kernel's (``LigerJSD``, ``LigerFusedLinearJSD``): both define
@@ -44,11 +45,12 @@ from klest.aggregation import WithDetails
 from klest.logits._call import LogitsDetails, check_plan_options, finish
 from klest.logits._divergence_rows import (
     BUFFERS_PER_ROW,
+    ROW_OUTPUTS,
     Divergence,
     divergence_grads,
     divergence_rows,
 )
-from klest.logits._rows import chunk_rows
+from klest.logits._rows import chunk_rows, resolve_backend
 from klest.logits.from_hidden import kl_from_hidden, run_hidden
 from klest.logits.from_logits import kl_from_logits, logits_positions
 
@@ -110,7 +112,8 @@ class DivergencePlan:
     inv_tau: float
     want_entropy: bool
     chunk: int
-    n_stats: int = 6
+    backend: str = "torch"
+    n_stats: int = len(ROW_OUTPUTS)
     constant: tuple[int, ...] = (1, 2, 3, 4)
 
     def stats(
@@ -125,6 +128,7 @@ class DivergencePlan:
             rows=rows,
             want_entropy=self.want_entropy,
             chunk=self.chunk,
+            backend=self.backend,
         )
 
     def outputs(self, out: Tensor) -> tuple[Tensor, ...]:
@@ -159,20 +163,14 @@ class DivergencePlan:
             need_z=need_z,
             need_y=need_y,
             chunk=self.chunk,
+            backend=self.backend,
+            saved=saved,
         )
 
 
 def bytes_per_row(v: int) -> int:
     """Float32 workspace per row of V entries (the backward's, the larger)."""
     return BUFFERS_PER_ROW * 4 * v
-
-
-def check_backend(backend: str) -> None:
-    if backend == "triton":
-        raise ValueError(
-            "backend='triton': there is no Triton kernel for the JSD, skew KL or total "
-            "variation; use backend='auto' or 'torch' (chunked PyTorch, on any device)"
-        )
 
 
 class _RowsDivergence(torch.autograd.Function):
@@ -185,7 +183,8 @@ class _RowsDivergence(torch.autograd.Function):
         out = plan.stats(z, y, labels, rows)
         check_rows_have_distributions(*plan.lse(out), None, checks)
         ctx.plan = plan
-        ctx.save_for_backward(z, y, rows)
+        # the row statistics are saved for the Triton backward (the PyTorch one recomputes)
+        ctx.save_for_backward(z, y, rows, out if plan.backend == "triton" else None)
         outputs = plan.outputs(out)
         ctx.mark_non_differentiable(*(outputs[i] for i in plan.constant))
         return outputs
@@ -193,9 +192,9 @@ class _RowsDivergence(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        z, y, rows = ctx.saved_tensors
+        z, y, rows, out = ctx.saved_tensors
         need_z, need_y = ctx.needs_input_grad[:2]
-        dz, dy = ctx.plan.grads(z, y, None, grads, None, need_z, need_y, rows)
+        dz, dy = ctx.plan.grads(z, y, out, grads, None, need_z, need_y, rows)
         return dz, dy, None, None, None, None
 
 
@@ -216,7 +215,6 @@ def _from_logits(
     return_details: bool,
 ) -> Tensor | WithDetails[LogitsDetails]:
     check_plan_options(backend, memory_budget, chunk_size)
-    check_backend(backend)
     checks = ValueChecks(resolve_validate(validate))
     z, y, pos, tau = logits_positions(
         logits,
@@ -235,6 +233,7 @@ def _from_logits(
         inv_tau=1.0 / tau,
         want_entropy=return_details,
         chunk=chunk_rows(bytes_per_row(z.shape[1]), z.device, memory_budget, chunk_size),
+        backend=resolve_backend(backend, z),
     )
     outputs = _RowsDivergence.apply(z, y, pos.labels, pos.rows, plan, checks)
     checks.run()
@@ -304,8 +303,8 @@ def jsd_from_logits(
       ignore_index: the label of positions to leave out (default -100).
       memory_budget: bytes of chunk workspace (default 32 MiB on the CPU, 1 GiB on a GPU).
       chunk_size: rows per chunk, overriding ``memory_budget``.
-      backend: ``"auto"`` or ``"torch"`` (chunked PyTorch); ``"triton"`` only at
-        ``beta`` 0 or 1, where the KL kernels apply.
+      backend: ``"auto"`` (Triton on CUDA when available, else PyTorch), ``"torch"``,
+        ``"triton"`` (also on CPU tensors under ``TRITON_INTERPRET=1``, for tests).
       validate: check for rows with NaN / ``+inf`` logits or no finite logit, labels out of
         range, non-0/1 masks (None: the global default).
       return_details: also return a :class:`~klest.LogitsDetails` (label log-probs, pi's
@@ -383,7 +382,7 @@ def skew_kl_from_logits(
       ignore_index: as in :func:`jsd_from_logits`.
       memory_budget: as in :func:`jsd_from_logits`.
       chunk_size: as in :func:`jsd_from_logits`.
-      backend: ``"auto"`` or ``"torch"`` (``"triton"`` only at ``alpha = 0``).
+      backend: as in :func:`jsd_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
 
@@ -447,7 +446,7 @@ def tv_from_logits(
       ignore_index: as in :func:`jsd_from_logits`.
       memory_budget: as in :func:`jsd_from_logits`.
       chunk_size: as in :func:`jsd_from_logits`.
-      backend: ``"auto"`` or ``"torch"``.
+      backend: as in :func:`jsd_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
 
@@ -536,7 +535,7 @@ def jsd_from_hidden(
       memory_budget: bytes for one chunk's logits and workspace (default 32 MiB on the CPU,
         1 GiB on a GPU).
       chunk_size: rows per chunk, overriding ``memory_budget``.
-      backend: ``"auto"`` or ``"torch"`` (``"triton"`` only at ``beta`` 0 or 1).
+      backend: as in :func:`jsd_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
 
@@ -559,13 +558,11 @@ def jsd_from_hidden(
         return kl_from_hidden(
             hidden, weight, hidden_ref, weight_ref, direction=direction, **options
         )
-    check_backend(backend)
     div = jsd_divergence(beta)
 
-    def make_plan(inv_tau: float, _: str, chunk: int) -> DivergencePlan:
-        return DivergencePlan(div, inv_tau, return_details, chunk)
+    def make_plan(inv_tau: float, backend: str, chunk: int) -> DivergencePlan:
+        return DivergencePlan(div, inv_tau, return_details, chunk, backend)
 
-    options["backend"] = "torch"
     return run_hidden(
         hidden,
         weight,
