@@ -510,9 +510,8 @@ def jsd_from_hidden(
     Liger-Kernel's, :math:`KL(ref\|\pi)` at 0 and :math:`KL(\pi\|ref)` at 1, where this is
     :func:`klest.kl_from_hidden`), with gradients to ``hidden``, ``weight``, ``bias`` and, when
     they require grad, to ref's tensors. Chunks of rows make their logits, reduce them, and drop
-    them; the backward recomputes them. Liger-Kernel's ``LigerFusedLinearJSD``
-    (https://github.com/linkedin/Liger-Kernel) computes the same loss (its ``beta`` is this
-    ``beta``) in its ``batchmean`` reduction, klest's ``"token-mean"``.
+    them; the backward recomputes them. The fused linear + divergence idea is Liger-Kernel's
+    (``LigerFusedLinearJSD``, https://github.com/linkedin/Liger-Kernel, same ``beta``).
 
     See "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes"
     (Agarwal et al., ICLR 2024, https://arxiv.org/abs/2306.13649) for the generalized JSD.
