@@ -373,6 +373,25 @@ def test_distillation_loss_is_the_exact_kl_from_materialized_logits(tiny_lm, tmp
     _assert_same_gradients(loss, expected, student)
 
 
+def test_distillation_loss_between_the_ends_is_the_generalized_jsd(tiny_lm, tmp_path):
+    """0 < beta < 1: TRL's generalized JSD with mixture beta teacher + (1 - beta) student,
+    written out here from the materialized logits (TRL's own function gives the same value,
+    checked in tests/logits/test_jsd.py)."""
+    beta = 0.3
+    student, batch, (loss, _, n_valid), logits, logits_t = _distillation_step(
+        tiny_lm, tmp_path, beta=beta
+    )
+    mask = batch["completion_mask"].bool()
+    q, p = logits.softmax(-1), logits_t.softmax(-1)
+    m = beta * p + (1 - beta) * q
+    per_position = beta * (p * (p.log() - m.log())).sum(-1)
+    per_position = per_position + (1 - beta) * (q * (q.log() - m.log())).sum(-1)
+    expected = torch.where(mask, per_position, 0.0).sum() / mask.sum().clamp(min=1)
+    assert int(n_valid) == int(mask.sum())
+    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
+    _assert_same_gradients(loss, expected, student)
+
+
 def test_distillation_sequence_level_adds_the_future_kl_score_term(tiny_lm, tmp_path):
     student, batch, (loss, _, _), logits, logits_t = _distillation_step(
         tiny_lm, tmp_path, sequence_level=True
@@ -409,7 +428,6 @@ def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
             processing_class=tokenizer(),
             kl={"estimator": "k3"},
         )
-    with pytest.raises(ValueError, match="generalized JSD"):
-        _distillation_trainer(tiny_lm, tmp_path, beta=0.5)
-    with pytest.raises(ValueError, match="sequence_level"):
-        _distillation_trainer(tiny_lm, tmp_path, beta=0.0, sequence_level=True)
+    for beta in (0.0, 0.5):
+        with pytest.raises(ValueError, match="sequence_level"):
+            _distillation_trainer(tiny_lm, tmp_path, beta=beta, sequence_level=True)

@@ -18,8 +18,9 @@ over the samples of each prompt)::
 - :class:`GRPOTrainer` and :class:`RLOOTrainer`: TRL's policy loss, unchanged, plus
   ``beta * kl_penalty(...)``. RLOO's own KL sits in the reward (k1 summed per sequence, an
   unbiased but noisy score-function gradient); here it moves into the loss.
-- :class:`DistillationTrainer`: the exact per-position KL between student and teacher from
-  their hidden states (:func:`klest.kl_from_hidden`, no ``[B, T, V]`` tensor), and with
+- :class:`DistillationTrainer`: the exact per-position KL (or TRL's generalized JSD for
+  ``0 < beta < 1``) between student and teacher from their hidden states
+  (:func:`klest.jsd_from_hidden`, no ``[B, T, V]`` tensor), and with
   ``sequence_level=True`` the gradient of the sequence-level KL(student||teacher), which the
   per-token loss misses (each token's effect on the later positions' distributions).
 
@@ -49,7 +50,7 @@ from klest._checks import check_choice, check_direction
 from klest._types import Baseline, Direction, Estimator, Grad, Reduction
 from klest.aggregation import WithDetails
 from klest.integrations.hf import group_ids_from_prompts
-from klest.logits import kl_from_hidden
+from klest.logits import jsd_from_hidden
 from klest.penalty import GRADIENT_ESTIMATORS, PenaltyDetails, kl_penalty
 
 __all__ = ["DistillationTrainer", "GRPOTrainer", "KLTerm", "RLOOTrainer"]
@@ -307,10 +308,12 @@ class DistillationTrainer(trl.DistillationTrainer):
         KL_{b,t} = KL\big(\pi(\cdot\mid y_{<t}) \,\|\, ref(\cdot\mid y_{<t})\big)
 
     over the completions y ~ pi (the student) that TRL samples, with pi the student and ref the
-    teacher, both ``softmax(W h / temperature)`` (:func:`klest.kl_from_hidden`: chunked over
-    the vocabulary, no ``[B, T, V]`` tensor). ``beta`` from the config picks the direction as
+    teacher, both ``softmax(W h / temperature)`` (:func:`klest.jsd_from_hidden`: chunked over
+    the vocabulary, no ``[B, T, V]`` tensor). ``beta`` from the config picks the divergence as
     TRL does: ``1.0`` is KL(student||teacher) = KL(pi||ref), ``0.0`` is KL(teacher||student) =
-    KL(ref||pi); between them TRL's generalized JSD is not provided here (a ValueError).
+    KL(ref||pi), and in between TRL's generalized JSD,
+    :math:`\beta\,KL(ref\|m) + (1-\beta)\,KL(\pi\|m)` with
+    :math:`m = \beta\,ref + (1-\beta)\,\pi`, in place of :math:`KL_{b,t}` above.
 
     The per-token loss's gradient holds each prefix fixed; the sequence-level
     KL(student||teacher) also depends on the prefixes the student samples. With
@@ -339,13 +342,7 @@ class DistillationTrainer(trl.DistillationTrainer):
     ) -> None:
         super().__init__(*args, **kwargs)
         _check_trl_version()
-        if self.beta not in (0.0, 1.0):
-            raise ValueError(
-                f"beta={self.beta}: klest provides beta=1.0 (KL(student||teacher)) and beta=0.0 "
-                "(KL(teacher||student)); TRL's generalized JSD in between is not available"
-            )
-        self.direction: Direction = "pi||ref" if self.beta == 1.0 else "ref||pi"
-        if sequence_level and self.direction != "pi||ref":
+        if sequence_level and self.beta != 1.0:
             raise ValueError("sequence_level=True is for KL(student||teacher): set beta=1.0")
         if baseline is not None:
             check_choice("baseline", baseline, ("loo", "mean"))
@@ -376,14 +373,14 @@ class DistillationTrainer(trl.DistillationTrainer):
             )
         head = _plain_lm_head(unwrapped_student, "student")
         head_ref = _plain_lm_head(unwrapped_teacher, "teacher")
-        kls, details = kl_from_hidden(
+        kls, details = jsd_from_hidden(  # the KL at beta 0 and 1
             h,
             head.weight,
             h_ref.to(head.weight.device),
             head_ref.weight,
+            beta=self.beta,
             bias=head.bias,
             bias_ref=head_ref.bias,
-            direction=self.direction,
             mask=mask,
             reduction="none",
             temperature=self.temperature,

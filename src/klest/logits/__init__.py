@@ -4,7 +4,8 @@ In the order data flows: :mod:`~klest.logits.reference` (plain PyTorch, small V,
 the rest is tested against), the row statistics and the chunked engine, the Triton kernels
 (:mod:`klest.logits.kernels`), then three front ends: :func:`kl_from_logits`,
 :func:`kl_from_hidden` (fused with the LM head) and :func:`kl_from_logits_vocab_parallel`
-(vocabulary shards over ``torch.distributed``); and :func:`token_log_probs`, the sampled
+(vocabulary shards over ``torch.distributed``); the generalized JSD, skew KL and total
+variation (:mod:`~klest.logits.divergences`); and :func:`token_log_probs`, the sampled
 tokens' log-probs from logits, memory-bounded.
 """
 
@@ -15,6 +16,10 @@ from klest.logits._stats import KLRowStats
 from klest.logits._call import LogitsDetails
 from klest.logits.from_logits import kl_from_logits
 from klest.logits.from_hidden import kl_from_hidden
+from klest.logits.divergences import jsd_from_logits
+from klest.logits.divergences import jsd_from_hidden
+from klest.logits.divergences import skew_kl_from_logits
+from klest.logits.divergences import tv_from_logits
 from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
 from klest.logits.sampled_log_probs import token_log_probs
 
@@ -22,8 +27,12 @@ __all__ = [
     "KLRowStats",
     "LogitsDetails",
     "categorical_kl",
+    "jsd_from_hidden",
+    "jsd_from_logits",
     "kl_from_hidden",
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
+    "skew_kl_from_logits",
     "token_log_probs",
+    "tv_from_logits",
 ]

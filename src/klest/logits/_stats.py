@@ -1,11 +1,13 @@
 """The per-row quantities that flow between the logits engine, its kernels and its front ends.
 
-A leaf module: the chunked PyTorch engine (:mod:`klest.logits._rows`), the Triton kernels
-(:mod:`klest.logits.kernels`) and the autograd Functions all speak in these two types.
+A leaf module: the chunked PyTorch engines (:mod:`klest.logits._rows`,
+:mod:`klest.logits._divergence_rows`), the Triton kernels (:mod:`klest.logits.kernels`) and the
+autograd Functions all speak in these types.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 from torch import Tensor
@@ -47,3 +49,18 @@ class Grads(NamedTuple):
 
     def any_y(self) -> bool:
         return any(g is not None for g in (self.kl_pi_ref, self.kl_ref_pi, self.logp_ref_label))
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Which per-row divergence beyond the KL (:mod:`klest.logits._divergence_rows`).
+
+    ``kind="mixture"``: ``c_q KL(q||m) + c_p KL(p||m)`` with ``m = w p + (1 - w) q``,
+    ``0 < w < 1`` (``q`` pi's distribution, ``p`` ref's); ``kind="tv"``: the total variation
+    (``w``, ``c_q``, ``c_p`` unused).
+    """
+
+    kind: str
+    w: float = 0.5
+    c_q: float = 0.0
+    c_p: float = 0.0

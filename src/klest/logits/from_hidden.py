@@ -23,8 +23,9 @@ Afra Amini, Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import Tensor
@@ -40,7 +41,7 @@ from klest._checks import (
 )
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import WithDetails
-from klest.logits._call import LogitsDetails, check_plan_options, finish, positions
+from klest.logits._call import OUTPUTS, LogitsDetails, check_plan_options, finish, positions
 from klest.logits._rows import (
     chunk_rows,
     resolve_backend,
@@ -51,13 +52,86 @@ from klest.logits._rows import (
 from klest.logits._stats import Grads, KLRowStats
 
 
+class HiddenRowPlan(Protocol):
+    """What the fused Function computes on each chunk of rows' logits ``z_c``, ``y_c``.
+
+    ``stats`` gives ``n_stats`` per-row floats ``[n_stats, n_c]`` (saved for the backward);
+    ``outputs`` turns them into the five outputs of :func:`klest.logits._call.finish` and
+    ``lse`` into the two log-normalizers (checked); ``constant`` names the outputs without a
+    gradient; ``grads`` gives ``dL/dz_c`` and ``dL/dy_c`` from the upstream gradients.
+    """
+
+    chunk: int
+    n_stats: int
+    constant: tuple[int, ...]
+
+    def stats(self, z_c: Tensor, y_c: Tensor, labels: Tensor | None) -> Tensor: ...
+
+    def outputs(self, out: Tensor) -> tuple[Tensor, ...]: ...
+
+    def lse(self, out: Tensor) -> tuple[Tensor, Tensor]: ...
+
+    def grads(
+        self,
+        z_c: Tensor,
+        y_c: Tensor,
+        saved: Tensor,
+        grads: tuple[Tensor | None, ...],
+        labels: Tensor | None,
+        need_z: bool,
+        need_y: bool,
+    ) -> tuple[Tensor | None, Tensor | None]: ...
+
+
 @dataclass(frozen=True)
-class _HiddenPlan:
+class _KLPlan:
+    """The exact KL's row plan (:mod:`klest.logits._rows`): the seven :class:`KLRowStats`."""
+
     inv_tau: float
     want_entropy: bool
     backend: str
     chunk: int
     direction: str
+    n_stats: int = 7
+    constant: tuple[int, ...] = ()
+
+    def stats(self, z_c: Tensor, y_c: Tensor, labels: Tensor | None) -> Tensor:
+        return torch.stack(
+            row_stats(
+                z_c,
+                y_c,
+                inv_tau=self.inv_tau,
+                labels=labels,
+                rows=None,
+                want_entropy=self.want_entropy,
+                backend=self.backend,
+                chunk=z_c.shape[0],
+                want_kl_ref_pi=self.direction == "ref||pi",
+                want_kl_pi_ref=self.direction == "pi||ref",
+            )
+        )
+
+    def outputs(self, out: Tensor) -> tuple[Tensor, ...]:
+        stats = KLRowStats(*out.unbind(0))
+        return tuple(getattr(stats, name) for name in OUTPUTS)
+
+    def lse(self, out: Tensor) -> tuple[Tensor, Tensor]:
+        return out[0], out[1]
+
+    def grads(self, z_c, y_c, saved, grads, labels, need_z, need_y):
+        return row_grads(
+            z_c,
+            y_c,
+            KLRowStats(*saved.unbind(0)),
+            Grads(*grads),
+            inv_tau=self.inv_tau,
+            labels=labels,
+            rows=None,
+            need_z=need_z,
+            need_y=need_y,
+            backend=self.backend,
+            chunk=z_c.shape[0],
+        )
 
 
 def _chunk_selections(n: int, rows: Tensor | None, size: int, device: torch.device):
@@ -137,9 +211,9 @@ class _HeadGrads:
             yield None if g is None or t is None else g.to(t.dtype)
 
 
-class _HiddenKL(torch.autograd.Function):
-    """``(h, W, b, h_ref, W_ref, b_ref, y) -> five float [N] outputs``; ref logits ``y`` or
-    ``(h_ref, W_ref, b_ref)``."""
+class _HiddenRows(torch.autograd.Function):
+    """``(h, W, b, h_ref, W_ref, b_ref, y) -> five float [N] outputs`` of a
+    :class:`HiddenRowPlan`; ref logits ``y`` or ``(h_ref, W_ref, b_ref)``."""
 
     @staticmethod
     def forward(ctx, h, w, b, h_ref, w_ref, b_ref, y, labels, rows, plan, checks: ValueChecks):
@@ -147,56 +221,36 @@ class _HiddenKL(torch.autograd.Function):
         pi, ref = _Head(h, w, b), _Head(h_ref, w_ref, b_ref, y)
         n = h.shape[0]
         dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
-        out = torch.zeros(7, n, dtype=dtype, device=h.device)
+        out = torch.zeros(plan.n_stats, n, dtype=dtype, device=h.device)
         for idx in _chunk_selections(n, rows, plan.chunk, h.device):
             z_c, y_c = pi.chunk_logits(idx), ref.chunk_logits(idx)
-            stats = row_stats(
-                z_c,
-                y_c,
-                inv_tau=plan.inv_tau,
-                labels=None if labels is None else labels.index_select(0, idx),
-                rows=None,
-                want_entropy=plan.want_entropy,
-                backend=plan.backend,
-                chunk=z_c.shape[0],
-                want_kl_ref_pi=plan.direction == "ref||pi",
-                want_kl_pi_ref=plan.direction == "pi||ref",
-            )
-            out.index_copy_(1, idx, torch.stack(stats).to(dtype))
-        stats = KLRowStats(*out.unbind(0))
-        check_rows_have_distributions(stats.lse_z, stats.lse_y, None, checks)
+            lab = None if labels is None else labels.index_select(0, idx)
+            out.index_copy_(1, idx, plan.stats(z_c, y_c, lab).to(dtype))
+        check_rows_have_distributions(*plan.lse(out), None, checks)
         ctx.plan = plan
         ctx.save_for_backward(h, w, b, h_ref, w_ref, b_ref, y, labels, rows, out)
-        return (
-            stats.kl_pi_ref,
-            stats.kl_ref_pi,
-            stats.entropy,
-            stats.logp_label,
-            stats.logp_ref_label,
-        )
+        outputs = plan.outputs(out)
+        ctx.mark_non_differentiable(*(outputs[i] for i in plan.constant))
+        return outputs
 
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        plan: _HiddenPlan = ctx.plan
+        plan: HiddenRowPlan = ctx.plan
         h, w, b, h_ref, w_ref, b_ref, y, labels, rows, out = ctx.saved_tensors
         need = ctx.needs_input_grad
         pi = _HeadGrads(_Head(h, w, b), (need[0], need[1], need[2], False))
         ref = _HeadGrads(_Head(h_ref, w_ref, b_ref, y), (need[3], need[4], need[5], need[6]))
         for idx in _chunk_selections(h.shape[0], rows, plan.chunk, h.device):
             z_c, y_c = pi.head.chunk_logits(idx), ref.head.chunk_logits(idx)
-            dz_c, dy_c = row_grads(
+            dz_c, dy_c = plan.grads(
                 z_c,
                 y_c,
-                KLRowStats(*out.index_select(1, idx).unbind(0)),
-                Grads(*(None if g is None else g.index_select(0, idx) for g in grads)),
-                inv_tau=plan.inv_tau,
-                labels=None if labels is None else labels.index_select(0, idx),
-                rows=None,
-                need_z=pi.needed,
-                need_y=ref.needed,
-                backend=plan.backend,
-                chunk=z_c.shape[0],
+                out.index_select(1, idx),
+                tuple(None if g is None else g.index_select(0, idx) for g in grads),
+                None if labels is None else labels.index_select(0, idx),
+                pi.needed,
+                ref.needed,
             )
             pi.add(idx, dz_c)
             ref.add(idx, dy_c)
@@ -306,6 +360,59 @@ def kl_from_hidden(
       >>> head.weight.grad.shape
       torch.Size([50, 8])
     """
+
+    def make_plan(inv_tau: float, resolved: str, chunk: int) -> _KLPlan:
+        return _KLPlan(inv_tau, return_details, resolved, chunk, direction)
+
+    return run_hidden(
+        hidden,
+        weight,
+        hidden_ref,
+        weight_ref,
+        logits_ref=logits_ref,
+        bias=bias,
+        bias_ref=bias_ref,
+        direction=direction,
+        mask=mask,
+        reduction=reduction,
+        temperature=temperature,
+        labels=labels,
+        ignore_index=ignore_index,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        backend=backend,
+        validate=validate,
+        return_details=return_details,
+        make_plan=make_plan,
+        workspace=workspace_bytes_per_row,
+    )
+
+
+def run_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    hidden_ref: Tensor | None,
+    weight_ref: Tensor | None,
+    *,
+    logits_ref: Tensor | None,
+    bias: Tensor | None,
+    bias_ref: Tensor | None,
+    direction: str,
+    mask: Tensor | None,
+    reduction: str,
+    temperature: float,
+    labels: Tensor | None,
+    ignore_index: int,
+    memory_budget: int | None,
+    chunk_size: int | None,
+    backend: str,
+    validate: bool | None,
+    return_details: bool,
+    make_plan: Callable[[float, str, int], HiddenRowPlan],
+    workspace: Callable[[int], int],
+) -> Tensor | WithDetails[LogitsDetails]:
+    """Check a fused call's arguments, plan its chunks (``make_plan(1 / T, backend, rows)``;
+    ``workspace(V)``: the PyTorch path's bytes per row), run it and shape the result."""
     check_plan_options(backend, memory_budget, chunk_size)
     tau = check_temperature(temperature)
     check_linear("", hidden, weight, bias)
@@ -328,15 +435,9 @@ def kl_from_hidden(
     resolved = resolve_backend(backend, h)
     # Per row: pi's and ref's logits and a gradient in their dtype, plus the PyTorch workspace.
     per_row = v * hidden.element_size() * 3
-    per_row += workspace_bytes_per_row(v) if resolved == "torch" else 0
-    plan = _HiddenPlan(
-        inv_tau=1.0 / tau,
-        want_entropy=return_details,
-        backend=resolved,
-        chunk=chunk_rows(per_row, h.device, memory_budget, chunk_size),
-        direction=direction,
-    )
-    outputs = _HiddenKL.apply(
+    per_row += workspace(v) if resolved == "torch" else 0
+    plan = make_plan(1.0 / tau, resolved, chunk_rows(per_row, h.device, memory_budget, chunk_size))
+    outputs = _HiddenRows.apply(
         h, weight, bias, h_ref, w_ref, bias_ref, y, pos.labels, pos.rows, plan, checks
     )
     checks.run()

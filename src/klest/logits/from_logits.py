@@ -148,6 +148,38 @@ def rows_kl(
     return _RowsKL.apply(z, y, labels, rows, plan, checks)
 
 
+def logits_positions(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    direction: str,
+    temperature: float,
+    mask: Tensor | None,
+    labels: Tensor | None,
+    ignore_index: int,
+    reduction: str,
+    details: bool,
+    checks: ValueChecks,
+) -> tuple[Tensor, Tensor, Positions, float]:
+    """Check a call on logits ``[..., V]``: their rows ``[N, V]``, positions and temperature."""
+    logits, logits_ref = check_logits_pair(logits, logits_ref)
+    tau = check_temperature(temperature)
+    v = logits.shape[-1]
+    pos = positions(
+        logits.shape[:-1],
+        logits.device,
+        direction=direction,
+        reduction=reduction,
+        mask=mask,
+        labels=labels,
+        vocab_size=v,
+        ignore_index=ignore_index,
+        details=details,
+        checks=checks,
+    )
+    return logits.reshape(-1, v), logits_ref.reshape(-1, v), pos, tau
+
+
 def _run(
     logits: Tensor,
     logits_ref: Tensor,
@@ -165,22 +197,18 @@ def _run(
     stash: bool,
     checks: ValueChecks,
 ) -> tuple[tuple[Tensor, ...], Positions]:
-    logits, logits_ref = check_logits_pair(logits, logits_ref)
-    tau = check_temperature(temperature)
-    v = logits.shape[-1]
-    pos = positions(
-        logits.shape[:-1],
-        logits.device,
+    z, y, pos, tau = logits_positions(
+        logits,
+        logits_ref,
         direction=direction,
-        reduction=reduction,
+        temperature=temperature,
         mask=mask,
         labels=labels,
-        vocab_size=v,
         ignore_index=ignore_index,
+        reduction=reduction,
         details=details,
         checks=checks,
     )
-    z, y = logits.reshape(-1, v), logits_ref.reshape(-1, v)
     plan = plan_for(
         z,
         y,

@@ -1,7 +1,9 @@
-"""Optional Triton kernels (GPU) for the exact KL from logits; importable without triton.
+"""Optional Triton kernels (GPU) for the exact KL, and the generalized JSD, skew KL and total
+variation, from logits; importable without triton.
 
 :func:`triton_available` says whether they can run here. The PyTorch entry points that use them
-(and fall back to plain PyTorch) are in :mod:`klest.logits.from_logits`.
+(and fall back to plain PyTorch) are in :mod:`klest.logits.from_logits` and
+:mod:`klest.logits.divergences`.
 """
 
 # The public surface is one import per line (an isort merge would undo that).
@@ -10,9 +12,13 @@ from klest.logits._stats import KLRowStats
 from klest.logits.kernels.kl_logits import kl_logits_backward
 from klest.logits.kernels.kl_logits import kl_logits_forward
 from klest.logits.kernels.kl_logits import triton_available
+from klest.logits.kernels.divergence import divergence_backward
+from klest.logits.kernels.divergence import divergence_forward
 
 __all__ = [
     "KLRowStats",
+    "divergence_backward",
+    "divergence_forward",
     "kl_logits_backward",
     "kl_logits_forward",
     "triton_available",

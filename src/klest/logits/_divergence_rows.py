@@ -1,0 +1,201 @@
+r"""Per-row divergences beyond the KL between two logit rows: mixture KLs and total variation.
+
+The chunked PyTorch engine behind :mod:`klest.logits.divergences`, the companion of the KL
+engine :mod:`klest.logits._rows` (whose chunking helpers it uses). For pi's logits ``z`` and
+ref's logits ``y`` (``[N, V]``), :math:`q = \mathrm{softmax}(z/\tau)` (pi),
+:math:`p = \mathrm{softmax}(y/\tau)` (ref), a :class:`Divergence` is one of
+
+* a combination of the two KLs to the mixture :math:`m = w\,p + (1 - w)\,q` (:math:`0 < w < 1`):
+
+  .. math::
+      D = c_q\, KL(q\|m) + c_p\, KL(p\|m),
+
+  which is the generalized JSD (:math:`c_q = 1 - w`, :math:`c_p = w`) and both skew KLs
+  (one coefficient 1, the other 0). With :math:`\log m = \mathrm{logaddexp}(\log(1-w) + \log q,
+  \log w + \log p)` and :math:`r = (c_q q + c_p p)/m`, the gradients with respect to the
+  probabilities are :math:`G_q = c_q(\log q - \log m) - (1-w) r` and
+  :math:`G_p = c_p(\log p - \log m) - w r` (the ratios :math:`q/m \le 1/(1-w)` and
+  :math:`p/m \le 1/w` stay finite);
+* the total variation :math:`TV = \tfrac12 \sum_v |q_v - p_v|`, with
+  :math:`G_q = \tfrac12 \mathrm{sign}(q - p) = -G_p` (``sign(0) = 0``: at :math:`q_v = p_v` the
+  subgradient 0, which at :math:`q = p` is the minimum's zero gradient).
+
+Through the softmax, :math:`\partial D/\partial z = \tfrac1\tau\, q\odot(G_q - \langle q,
+G_q\rangle)` and :math:`\partial D/\partial y = \tfrac1\tau\, p\odot(G_p - \langle p,
+G_p\rangle)`. Entries ``-inf`` are outside the support (``0 log 0 = 0``); a term with zero
+probability contributes nothing, so none of these divergences is ever infinite. The forward pass
+saves nothing ``[N, V]``-sized; the backward recomputes each chunk's log-probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+from klest.logits._rows import (
+    _chunks,
+    _label_logps,
+    _lse,
+    _put,
+    _put_rows,
+    _scaled,
+    _take,
+    _work_dtype,
+    zero_rows_except,
+    zeroed_rows_buffer,
+)
+from klest.logits._stats import Divergence
+from klest.logits.kernels import divergence_backward, divergence_forward, kl_logits_forward
+
+# Float32 buffers of V entries per row of a chunk in the backward (the larger pass): a, b,
+# log q, log p, q, p, log m, r, G_q, G_p.
+BUFFERS_PER_ROW = 10
+ROW_OUTPUTS = ("value", "entropy", "logp_label", "logp_ref_label", "lse_z", "lse_y", "s_q", "s_p")
+"""The per-row outputs of :func:`divergence_rows`, in order (``s_q = <q, G_q>`` and
+``s_p = <p, G_p>``: from the Triton backend, for its backward; 0 from the PyTorch one)."""
+
+
+def _where_support(w: Tensor, x: Tensor) -> Tensor:
+    """``x`` where the probability ``w`` is positive, else 0 (``x`` may be infinite there)."""
+    return torch.where(w > 0, x, 0.0)
+
+
+def _log_mixture(la: Tensor, lb: Tensor, w: float) -> Tensor:
+    """``log(w p + (1 - w) q)`` from ``la = log q`` and ``lb = log p``."""
+    return torch.logaddexp(la + math.log1p(-w), lb + math.log(w))
+
+
+def _value(div: Divergence, la: Tensor, lb: Tensor, q: Tensor, p: Tensor) -> Tensor:
+    if div.kind == "tv":
+        return 0.5 * (q - p).abs().sum(-1)
+    lm = _log_mixture(la, lb, div.w)
+    value = torch.zeros_like(q[:, 0])
+    for c, prob, logprob in ((div.c_q, q, la), (div.c_p, p, lb)):
+        if c != 0.0:
+            value = value + c * (prob * _where_support(prob, logprob - lm)).sum(-1)
+    return value.clamp_(min=0.0)
+
+
+def _prob_grads(
+    div: Divergence, la: Tensor, lb: Tensor, q: Tensor, p: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(G_q, G_p)``: the divergence's gradient w.r.t. the probabilities (module docstring)."""
+    if div.kind == "tv":
+        half_sign = 0.5 * torch.sign(q - p)
+        return half_sign, -half_sign
+    lm = _log_mixture(la, lb, div.w)
+    r = torch.zeros_like(q)
+    for c, prob, logprob in ((div.c_q, q, la), (div.c_p, p, lb)):
+        if c != 0.0:
+            r += c * _where_support(prob, (logprob - lm).exp())
+    g_q = div.c_q * _where_support(q, la - lm) - (1.0 - div.w) * r
+    g_p = div.c_p * _where_support(p, lb - lm) - div.w * r
+    return g_q, g_p
+
+
+def _through_softmax(prob: Tensor, g: Tensor) -> Tensor:
+    """``prob * (g - <prob, g>)``: a gradient w.r.t. probabilities, taken to the logits."""
+    mean = (prob * g).sum(-1, keepdim=True)
+    return g.sub_(mean).mul_(prob)
+
+
+def _log_probs(z: Tensor, y: Tensor, sel: slice | Tensor, inv_tau: float, dtype: torch.dtype):
+    a = _scaled(_take(z, sel), inv_tau, dtype)
+    b = _scaled(_take(y, sel), inv_tau, dtype)
+    la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
+    return a, b, la, lb
+
+
+def divergence_rows(
+    z: Tensor,
+    y: Tensor,
+    div: Divergence,
+    *,
+    inv_tau: float,
+    labels: Tensor | None,
+    rows: Tensor | None,
+    want_entropy: bool,
+    chunk: int,
+    backend: str = "torch",
+) -> Tensor:
+    """``[8, N]`` per-row outputs (``ROW_OUTPUTS``) of the selected rows (others 0).
+
+    Rows whose logits have NaN, ``+inf`` or nothing but ``-inf`` get a non-finite ``lse``
+    (the caller rejects them).
+    """
+    n = z.shape[0]
+    if backend == "triton":
+        tau = 1.0 / inv_tau
+        stats = kl_logits_forward(
+            z,
+            y,
+            temperature=tau,
+            labels=labels,
+            want_kl_pi_ref=False,
+            want_kl_ref_pi=False,
+            want_entropy=want_entropy,
+        )
+        mix = divergence_forward(z, y, stats.lse_z, stats.lse_y, div, temperature=tau)
+        out = torch.stack(
+            (mix[0], stats.entropy, stats.logp_label, stats.logp_ref_label,
+             stats.lse_z, stats.lse_y, mix[1], mix[2])
+        )  # fmt: skip
+        if rows is None:
+            return out
+        keep = torch.zeros(n, dtype=torch.bool, device=z.device).index_fill_(0, rows, True)
+        return torch.where(keep, out, 0.0)
+    out = torch.zeros(len(ROW_OUTPUTS), n, dtype=_work_dtype(z), device=z.device)
+    for sel in _chunks(n, rows, chunk):
+        a, b, la, lb = _log_probs(z, y, sel, inv_tau, out.dtype)
+        q, p = la.exp(), lb.exp()
+        value = _value(div, la, lb, q, p)
+        lab = None if labels is None else _take(labels, sel)
+        zeros = torch.zeros_like(value)
+        entropy = -(q * _where_support(q, la)).sum(-1) if want_entropy else zeros
+        stats = (value, entropy, _label_logps(la, lab), _label_logps(lb, lab))
+        _put(out, sel, torch.stack((*stats, _lse(a, la), _lse(b, lb), zeros, zeros)))
+    return out
+
+
+def divergence_grads(
+    z: Tensor,
+    y: Tensor,
+    div: Divergence,
+    grad: Tensor,
+    *,
+    inv_tau: float,
+    rows: Tensor | None,
+    need_z: bool,
+    need_y: bool,
+    chunk: int,
+    backend: str = "torch",
+    saved: Tensor | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    """``grad[n] * dD_n/dz`` and ``... /dy`` (in the inputs' dtypes; 0 on rows not selected).
+
+    The Triton backend reads ``lse_z``, ``lse_y``, ``s_q`` and ``s_p`` from ``saved`` (what
+    :func:`divergence_rows` returned); the PyTorch one recomputes everything."""
+    if backend == "triton":
+        assert saved is not None
+        lse_z, lse_y, s_q, s_p = (saved[ROW_OUTPUTS.index(k)] for k in ROW_OUTPUTS[4:])
+        dz, dy = divergence_backward(
+            z, y, lse_z, lse_y, s_q, s_p, grad.float(), div, temperature=1.0 / inv_tau,
+            need_grad_z=need_z, need_grad_y=need_y,
+        )  # fmt: skip
+        return zero_rows_except(dz, rows), zero_rows_except(dy, rows)
+    dz = zeroed_rows_buffer(z, rows) if need_z else None
+    dy = zeroed_rows_buffer(y, rows) if need_y else None
+    if not (need_z or need_y):
+        return dz, dy
+    dtype = _work_dtype(z)
+    for sel in _chunks(z.shape[0], rows, chunk):
+        _, _, la, lb = _log_probs(z, y, sel, inv_tau, dtype)
+        q, p = la.exp(), lb.exp()
+        g_q, g_p = _prob_grads(div, la, lb, q, p)
+        scale = _take(grad, sel).to(dtype).unsqueeze(1) * inv_tau
+        for target, prob, g in ((dz, q, g_q), (dy, p, g_p)):
+            if target is not None:
+                _put_rows(target, sel, _through_softmax(prob, g).mul_(scale))
+    return dz, dy

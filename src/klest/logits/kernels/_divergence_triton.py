@@ -1,0 +1,150 @@
+r"""Triton kernels of the mixture KLs (generalized JSD, skew KL) and total variation: the jit code
+behind :mod:`klest.logits.kernels.divergence` (imported only when triton is).
+
+Given the rows' log-normalizers (from :func:`klest.logits.kernels.kl_logits_forward`), with
+:math:`\log q = z/\tau - \mathrm{lse}_z`, :math:`\log p = y/\tau - \mathrm{lse}_y` and, for the
+mixture, :math:`\log m = \mathrm{logaddexp}(\log(1-w) + \log q, \log w + \log p)`, each element
+gives the divergence's term and its gradients :math:`G_q`, :math:`G_p` with respect to the
+probabilities (the formulas of :mod:`klest.logits._divergence_rows`):
+
+* mixture (``KIND = 0``): term :math:`c_q\,q(\log q - \log m) + c_p\,p(\log p - \log m)`,
+  :math:`r = c_q\,q/m + c_p\,p/m`, :math:`G_q = c_q(\log q - \log m) - (1-w) r`,
+  :math:`G_p = c_p(\log p - \log m) - w r`;
+* total variation (``KIND = 1``): term :math:`\tfrac12|q - p|`,
+  :math:`G_q = \tfrac12\mathrm{sign}(q - p) = -G_p`.
+
+The forward kernel (one program per row) sums the terms and :math:`S_q = \langle q, G_q\rangle`,
+:math:`S_p = \langle p, G_p\rangle`; the backward kernel (rows x vocabulary blocks) writes
+:math:`g/\tau\; q\odot(G_q - S_q)` and :math:`g/\tau\; p\odot(G_p - S_p)`. Natural-log
+arithmetic in float32; ``-inf`` entries have probability 0 and contribute nothing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _elements(zf, yf, lse_a, lse_b, inv_tau, w, c_q, c_p, KIND: tl.constexpr):
+    """``(q, p, term, G_q, G_p)`` of one block (``-inf`` where a lane is outside ``[0, V)``)."""
+    la = zf * inv_tau - lse_a
+    lb = yf * inv_tau - lse_b
+    q = tl.exp(la)
+    p = tl.exp(lb)
+    if KIND == 0:
+        x1 = la + tl.log(1.0 - w)
+        x2 = lb + tl.log(w)
+        hi = tl.maximum(x1, x2)
+        lo = tl.minimum(x1, x2)
+        has = hi > float("-inf")
+        # log m; 0 where both q and p are 0 (it is read only where one of them is positive)
+        lm = tl.where(has, hi + tl.log(1.0 + tl.exp(lo - tl.where(has, hi, 0.0))), 0.0)
+        on_q = q > 0.0
+        on_p = p > 0.0
+        dq = tl.where(on_q, la - lm, 0.0)
+        dp = tl.where(on_p, lb - lm, 0.0)
+        r = c_q * tl.where(on_q, tl.exp(dq), 0.0) + c_p * tl.where(on_p, tl.exp(dp), 0.0)
+        term = c_q * q * dq + c_p * p * dp
+        g_q = c_q * dq - (1.0 - w) * r
+        g_p = c_p * dp - w * r
+    else:
+        half = tl.where(q > p, 0.5, tl.where(q < p, -0.5, 0.0))
+        term = tl.abs(q - p) * 0.5
+        g_q = half
+        g_p = -half
+    return q, p, term, g_q, g_p
+
+
+@triton.jit
+def divergence_fwd_kernel(
+    z_ptr,
+    y_ptr,
+    lse_a_ptr,
+    lse_b_ptr,
+    out_ptr,
+    stride_z,
+    stride_y,
+    N,
+    V,
+    inv_tau,
+    w,
+    c_q,
+    c_p,
+    KIND: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """One row per program; ``out`` is a contiguous float32 ``[3, N]``: value, S_q, S_p."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_V)
+    lse_a = tl.load(lse_a_ptr + row)
+    lse_b = tl.load(lse_b_ptr + row)
+    value = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s_q = tl.zeros([BLOCK_V], dtype=tl.float32)
+    s_p = tl.zeros([BLOCK_V], dtype=tl.float32)
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        inside = offs < V
+        zf = tl.load(z_ptr + row * stride_z + offs, mask=inside, other=float("-inf"))
+        yf = tl.load(y_ptr + row * stride_y + offs, mask=inside, other=float("-inf"))
+        q, p, term, g_q, g_p = _elements(
+            zf.to(tl.float32), yf.to(tl.float32), lse_a, lse_b, inv_tau, w, c_q, c_p, KIND
+        )
+        value += term
+        s_q += q * g_q
+        s_p += p * g_p
+    total = tl.sum(value, axis=0)
+    tl.store(out_ptr + row, tl.where(total < 0.0, 0.0, total))
+    tl.store(out_ptr + N + row, tl.sum(s_q, axis=0))
+    tl.store(out_ptr + 2 * N + row, tl.sum(s_p, axis=0))
+
+
+@triton.jit
+def divergence_bwd_kernel(
+    z_ptr,
+    y_ptr,
+    lse_a_ptr,
+    lse_b_ptr,
+    s_q_ptr,
+    s_p_ptr,
+    g_ptr,
+    dz_ptr,
+    dy_ptr,
+    stride_z,
+    stride_y,
+    stride_dz,
+    stride_dy,
+    V,
+    inv_tau,
+    w,
+    c_q,
+    c_p,
+    KIND: tl.constexpr,
+    NEED_DZ: tl.constexpr,
+    NEED_DY: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    """Program ``(row, block)``: ``dz``, ``dy`` of ``g[row]`` times the row's divergence."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    inside = offs < V
+    zf = tl.load(z_ptr + row * stride_z + offs, mask=inside, other=float("-inf"))
+    yf = tl.load(y_ptr + row * stride_y + offs, mask=inside, other=float("-inf"))
+    q, p, _, g_q, g_p = _elements(
+        zf.to(tl.float32),
+        yf.to(tl.float32),
+        tl.load(lse_a_ptr + row),
+        tl.load(lse_b_ptr + row),
+        inv_tau,
+        w,
+        c_q,
+        c_p,
+        KIND,
+    )
+    scale = tl.load(g_ptr + row) * inv_tau
+    if NEED_DZ:
+        dz = scale * q * (g_q - tl.load(s_q_ptr + row))
+        tl.store(dz_ptr + row * stride_dz + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
+    if NEED_DY:
+        dy = scale * p * (g_p - tl.load(s_p_ptr + row))
+        tl.store(dy_ptr + row * stride_dy + offs, dy.to(dy_ptr.dtype.element_ty), mask=inside)

@@ -1,0 +1,183 @@
+r"""Triton kernels (GPU) for the generalized JSD, skew KL and total variation from logits.
+
+For pi's logits ``z`` and ref's logits ``y`` (``[N, V]``), :math:`q = \mathrm{softmax}(z/\tau)`,
+:math:`p = \mathrm{softmax}(y/\tau)` and a :class:`~klest.logits._stats.Divergence`
+(:math:`c_q KL(q\|m) + c_p KL(p\|m)` with :math:`m = w p + (1-w) q`, or
+:math:`TV = \tfrac12\sum_v |q_v - p_v|`), :func:`divergence_forward` gives per row the value and
+the two sums :math:`S_q = \langle q, G_q\rangle`, :math:`S_p = \langle p, G_p\rangle` that the
+backward needs, and :func:`divergence_backward` writes
+
+.. math::
+    \partial/\partial z = \tfrac{g}{\tau}\, q\odot(G_q - S_q), \qquad
+    \partial/\partial y = \tfrac{g}{\tau}\, p\odot(G_p - S_p)
+
+(:math:`G_q`, :math:`G_p`: the gradients with respect to the probabilities, in
+:mod:`klest.logits._divergence_rows`). Both take the rows' log-normalizers from
+:func:`klest.logits.kernels.kl_logits_forward` (one more read of the logits): the forward reads
+``z`` and ``y`` twice in all, the backward once, writing each gradient once. The caller's
+contract is that of :mod:`klest.logits.kernels.kl_logits` (finite log-normalizers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from klest._checks import check_row_vector, check_temperature
+from klest.logits._stats import Divergence
+from klest.logits.kernels.kl_logits import (
+    _MAX_GRID_Y,
+    _block_v,
+    _cdiv,
+    _check_device,
+    _check_logits,
+    _num_warps,
+    _triton_importable,
+)
+
+_KINDS = {"mixture": 0, "tv": 1}
+
+
+def _divergence_kernels():
+    if not _triton_importable():
+        raise RuntimeError("klest.logits.kernels needs triton, which is not installed")
+    from klest.logits.kernels import _divergence_triton
+
+    return _divergence_triton
+
+
+def _constants(div: Divergence) -> dict:
+    if div.kind not in _KINDS:
+        raise ValueError(f"div.kind must be one of {tuple(_KINDS)}, got {div.kind!r}")
+    if div.kind == "mixture" and not 0.0 < div.w < 1.0:
+        raise ValueError(f"the mixture weight w must be in (0, 1), got {div.w!r}")
+    return dict(w=float(div.w), c_q=float(div.c_q), c_p=float(div.c_p), KIND=_KINDS[div.kind])
+
+
+def divergence_forward(
+    z: Tensor,
+    y: Tensor,
+    lse_z: Tensor,
+    lse_y: Tensor,
+    div: Divergence,
+    *,
+    temperature: float = 1.0,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> Tensor:
+    r"""Per row: the divergence, :math:`S_q` and :math:`S_p` (module docstring), float32
+    ``[3, N]``.
+
+    Args:
+      z: pi's logits ``[N, V]``, float32 / bfloat16 / float16, CUDA (or CPU under
+        ``TRITON_INTERPRET=1``).
+      y: ref's logits, same shape and device.
+      lse_z: ``logsumexp(z / tau)`` per row, float ``[N]`` (from ``kl_logits_forward``).
+      lse_y: ``logsumexp(y / tau)`` per row.
+      div: which divergence.
+      temperature: :math:`\tau > 0`, dividing both logits.
+      block_v: vocabulary block (power of two, >= 16); default ``min(1024, next_pow2(V))``.
+      num_warps: warps per program (power of two, 1 to 32).
+
+    Returns:
+      ``[3, N]`` float32: value (clamped at 0), :math:`S_q`, :math:`S_p`.
+
+    Example:
+      >>> from klest.logits.kernels import triton_available
+      >>> z, y = torch.randn(2, 9), torch.randn(2, 9)
+      >>> if triton_available():  # CUDA, or TRITON_INTERPRET=1
+      ...     out = divergence_forward(z, y, z.logsumexp(-1), y.logsumexp(-1), Divergence("tv"))
+    """
+    z, y = _check_logits(z, y)
+    tau = check_temperature(temperature)
+    n, v = z.shape
+    lse_z = check_row_vector("lse_z", lse_z, n, z.device)
+    lse_y = check_row_vector("lse_y", lse_y, n, z.device)
+    consts = _constants(div)
+    bv = _block_v(block_v, v)
+    out = torch.zeros(3, n, dtype=torch.float32, device=z.device)
+    if n > 0:
+        _check_device(z)
+        _divergence_kernels().divergence_fwd_kernel[(n,)](
+            z, y, lse_z, lse_y, out, z.stride(0), y.stride(0), n, v, 1.0 / tau,
+            **consts, BLOCK_V=bv, num_warps=_num_warps(num_warps, bv),
+        )  # fmt: skip
+    return out
+
+
+def divergence_backward(
+    z: Tensor,
+    y: Tensor,
+    lse_z: Tensor,
+    lse_y: Tensor,
+    s_q: Tensor,
+    s_p: Tensor,
+    grad: Tensor,
+    div: Divergence,
+    *,
+    temperature: float = 1.0,
+    need_grad_z: bool = True,
+    need_grad_y: bool = False,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+) -> tuple[Tensor | None, Tensor | None]:
+    r"""Gradients of :math:`\sum_n g_n D_n` w.r.t. ``z`` and ``y`` (module docstring).
+
+    Args:
+      z: pi's logits, as given to :func:`divergence_forward`.
+      y: ref's logits, as given to :func:`divergence_forward`.
+      lse_z: as given to :func:`divergence_forward`.
+      lse_y: as given to :func:`divergence_forward`.
+      s_q: :math:`S_q` per row, from :func:`divergence_forward`.
+      s_p: :math:`S_p` per row.
+      grad: :math:`g`, the upstream gradient per row, float ``[N]``.
+      div: which divergence.
+      temperature: as given to :func:`divergence_forward`.
+      need_grad_z: compute the gradient w.r.t. ``z``.
+      need_grad_y: compute the gradient w.r.t. ``y``.
+      block_v: vocabulary block of the grid (power of two, >= 16).
+      num_warps: warps per program.
+
+    Returns:
+      ``(dz, dy)``: contiguous ``[N, V]`` tensors in ``z``'s and ``y``'s dtypes, or None where
+      not needed.
+
+    Example:
+      >>> from klest.logits.kernels import triton_available
+      >>> z, y = torch.randn(2, 9), torch.randn(2, 9)
+      >>> div = Divergence("mixture", w=0.5, c_q=0.5, c_p=0.5)  # JSD with beta = 1/2
+      >>> if triton_available():
+      ...     lse = z.logsumexp(-1), y.logsumexp(-1)
+      ...     value, s_q, s_p = divergence_forward(z, y, *lse, div)
+      ...     dz, _ = divergence_backward(z, y, *lse, s_q, s_p, torch.ones(2), div)
+    """
+    z, y = _check_logits(z, y)
+    tau = check_temperature(temperature)
+    n, v = z.shape
+    dev = z.device
+    rows = [
+        check_row_vector(name, t, n, dev)
+        for name, t in (("lse_z", lse_z), ("lse_y", lse_y), ("s_q", s_q), ("s_p", s_p))
+    ]
+    grad = check_row_vector("grad", grad, n, dev)
+    consts = _constants(div)
+    bv = _block_v(block_v, v)
+    if _cdiv(v, bv) > _MAX_GRID_Y:
+        raise ValueError(f"V = {v} needs more than {_MAX_GRID_Y} blocks of {bv}; raise block_v")
+    dz = torch.empty_like(z, memory_format=torch.contiguous_format) if need_grad_z else None
+    dy = torch.empty_like(y, memory_format=torch.contiguous_format) if need_grad_y else None
+    if n > 0 and (need_grad_z or need_grad_y):
+        _check_device(z)
+        dummy = rows[0]
+        _divergence_kernels().divergence_bwd_kernel[(n, _cdiv(v, bv))](
+            z, y, *rows, grad,
+            dummy if dz is None else dz,
+            dummy if dy is None else dy,
+            z.stride(0), y.stride(0),
+            v if dz is None else dz.stride(0),
+            v if dy is None else dy.stride(0),
+            v, 1.0 / tau, **consts,
+            NEED_DZ=bool(need_grad_z), NEED_DY=bool(need_grad_y),
+            BLOCK_V=bv, num_warps=_num_warps(num_warps, bv),
+        )  # fmt: skip
+    return dz, dy
