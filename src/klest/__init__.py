@@ -38,9 +38,13 @@ from klest.estimators import k_abs
 from klest.estimators import kl_estimate
 from klest.logits import LogitsDetails
 from klest.logits import categorical_kl
+from klest.logits import jsd_from_hidden
+from klest.logits import jsd_from_logits
 from klest.logits import kl_from_hidden
 from klest.logits import kl_from_logits
 from klest.logits import kl_from_logits_vocab_parallel
+from klest.logits import skew_kl_from_logits
+from klest.logits import tv_from_logits
 from klest.logits.topk import TopKDetails
 from klest.logits.topk import TopKEstimator
 from klest.logits.topk import kl_from_topk
@@ -87,6 +91,8 @@ __all__ = [
     "decouple",
     "f_divergence",
     "get_default_validate",
+    "jsd_from_hidden",
+    "jsd_from_logits",
     "k1",
     "k2",
     "k3",
@@ -99,4 +105,6 @@ __all__ = [
     "kl_penalty",
     "kl_reward",
     "set_default_validate",
+    "skew_kl_from_logits",
+    "tv_from_logits",
 ]
