@@ -162,11 +162,16 @@ def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor) -> Tensor:
       (True, True)
     """
     x = torch.where(valid, targets.detach().double(), 0.0)
+    rows = x.shape[0]
     fold = _position_in_group(keys) % 2
-    fold_keys = keys * 2 + fold
-    within = group_baseline(x, valid, "loo", fold_keys)
+    # Groups split by fold: keys + rows * fold < 2 rows, so pad with as many invalid rows.
+    fold_keys = torch.cat([keys + rows * fold, keys])  # the padding rows' keys: never valid
+    padded_valid = torch.cat([valid, torch.zeros_like(valid)])
+    within = group_baseline(torch.cat([x, torch.zeros_like(x)]), padded_valid, "loo", fold_keys)
     # 1 where the row has a fold-mate valid at that position, else 0.
-    paired = group_baseline(valid.double(), valid, "loo", fold_keys) > 0
+    ones = padded_valid.double()
+    paired = group_baseline(ones, padded_valid, "loo", fold_keys)[:rows] > 0
+    within = within[:rows]
     p_row = torch.where(paired, x * within, 0.0).sum(-1)
     q_row = torch.where(paired, x * x, 0.0).sum(-1)
     p = torch.zeros(2, dtype=x.dtype, device=x.device).index_add_(0, fold, p_row)
