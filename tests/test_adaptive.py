@@ -61,8 +61,8 @@ def mix_reference(delta: torch.Tensor, valid: torch.Tensor, direction: str) -> t
 
 def scale_reference(targets: torch.Tensor, valid: torch.Tensor, keys: list[int]) -> torch.Tensor:
     """lambda_i by loops: folds alternate within each group (in row order); the other fold's
-    P = sum A_j B'_j and Q = sum A_j^2 over positions (counted from each row's first valid
-    token) where j has a fold-mate; lambda = clip(P / (P + (Q - P) / m_i), 0, 1)."""
+    sum of A_j B'_j over sum of B'_j^2 (B'_j: the mean of j's fold-mates in its group at the
+    same position, counted from each row's first valid token), clipped to [0, 1]."""
     rows = targets.shape[0]
     seen: dict[int, int] = {}
     fold = []
@@ -82,14 +82,13 @@ def scale_reference(targets: torch.Tensor, valid: torch.Tensor, keys: list[int])
                 if k != j and keys[k] == keys[j] and fold[k] == fold[j] and t < len(aligned[k])
             ]
             if mates:
-                p[fold[j]] += a * sum(mates) / len(mates)
-                q[fold[j]] += a * a
+                b = sum(mates) / len(mates)
+                p[fold[j]] += a * b
+                q[fold[j]] += b * b
     out = []
     for i in range(rows):
         o = 1 - fold[i]
-        m = max(keys.count(keys[i]) - 1, 1)
-        denom = p[o] + (q[o] - p[o]) / m
-        lam = p[o] / denom if denom > 0 else 0.0
+        lam = p[o] / q[o] if q[o] > 0 else 0.0
         out.append(min(max(lam, 0.0), 1.0))
     return torch.tensor(out, dtype=torch.float64).unsqueeze(-1)
 
@@ -347,8 +346,9 @@ def test_loo_fitted_is_unbiased_on_a_tabular_policy(scale, spec):
     assert mean_shift_z(draws, exact) <= z_for(RATE, 3, two_sided=False)
 
 
-# The fitted scale's own noise: on these testbeds its variance is measured at most 3% above the
-# better of plain and leave-one-out (sampling the scale from half a batch); the test allows 5%.
+# The fitted scale's own noise: cumulative + loo-fitted on these two testbeds was measured at
+# 1.00 (low KL) and 0.96 (high KL) times the better of plain and leave-one-out (3000 batches of
+# 8); the scale is fitted on half a batch, so the test allows 5% above it.
 FIT_NOISE = 0.05
 
 
