@@ -26,10 +26,10 @@ Level = Literal["token", "sequence"]
 Estimator = Literal["k1", "k2", "k3", "abs", "cv", "rb"]
 """Value estimators (``"rb"``: exact per-position KLs from logits, Rao-Blackwellized)."""
 
-Grad = Literal["pathwise", "stl", "score", "cumulative", "rb", "token", "autodiff"]
+Grad = Literal["pathwise", "adaptive", "stl", "score", "cumulative", "rb", "token", "autodiff"]
 """Gradient estimators of :func:`klest.kl_penalty` (see ``klest.penalty.GRADIENT_ESTIMATORS``)."""
 
-Baseline = Literal["loo", "mean"]
+Baseline = Literal["loo", "mean", "loo-fitted"]
 """Baselines computed within a batch; a :class:`klest.BaselineEMA` remembers earlier batches."""
 
 AlphaFit = Literal["loo", "crossfit", "in-sample"]

@@ -289,7 +289,7 @@ class GradSpec:
     """A value/gradient pair for :func:`klest.kl_penalty`: ``"k3/cumulative+loo"``, ``"rb/rb"``.
 
     Syntax: ``VALUE/GRAD[+BASELINE]`` where VALUE is a value estimator (``cv:0.5`` allowed),
-    GRAD a gradient estimator and BASELINE ``loo``, ``mean`` or ``ema``.
+    GRAD a gradient estimator and BASELINE ``loo``, ``mean``, ``loo-fitted`` or ``ema``.
     """
 
     value: str
@@ -310,7 +310,7 @@ class GradSpec:
         grad, _, baseline = grad_part.partition("+")
         check_choice("grad", grad, tuple(GRADIENT_ESTIMATORS))
         if baseline:
-            check_choice("baseline", baseline, ("loo", "mean", "ema"))
+            check_choice("baseline", baseline, ("loo", "mean", "loo-fitted", "ema"))
         return cls(value, grad, baseline or None, alpha)
 
     def label(self) -> str:
@@ -660,13 +660,17 @@ GRAD_AUDIT_BOTH = (
     "k3/cumulative",
     "k3/cumulative+loo",
     "k3/cumulative+ema",
+    "k3/score+loo-fitted",
+    "k3/cumulative+loo-fitted",
     "rb/rb",
 )
 GRAD_AUDIT_ONLY = {
-    "pi||ref": ("k2/autodiff", "rb/rb+loo", "rb/autodiff"),
+    "pi||ref": ("k2/autodiff", "rb/rb+loo", "rb/rb+loo-fitted", "rb/autodiff"),
     "ref||pi": (),
 }
 GRAD_AUDIT = {direction: GRAD_AUDIT_BOTH + only for direction, only in GRAD_AUDIT_ONLY.items()}
+# Pathwise gradient estimators, audited on reparameterized Gaussian samples in both directions.
+REPARAMETERIZED_GRAD_AUDIT = ("k1/pathwise", "k3/autodiff", "k3/adaptive")
 
 
 def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = False) -> str:
@@ -675,8 +679,9 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
     Value estimators (``VALUE_AUDIT``) in both directions on a Gaussian (Schulman's mu = 1),
     a random categorical and a tabular autoregressive testbed (with ``SEQUENCE_VALUE_AUDIT`` also
     at the sequence level there), batches of 16; then the gradient estimators of ``GRAD_AUDIT``
-    on a tabular autoregressive policy (V = 3, T = 4, with eos), batches of 8; then the top-k
-    distillation estimators (:func:`klest.audit_topk.topk_audit_section`).
+    on a tabular autoregressive policy (V = 3, T = 4, with eos), batches of 8, and those of
+    ``REPARAMETERIZED_GRAD_AUDIT`` on reparameterized samples of a 4-dimensional Gaussian; then
+    the top-k distillation estimators (:func:`klest.audit_topk.topk_audit_section`).
 
     Args:
       quick: 200 value trials and 300 gradient trials instead of 2000 each.
@@ -736,6 +741,27 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
             f"## Gradient estimators claiming KL({direction}) on a tabular autoregressive "
             f"policy (V=3, T=4, eos; exact KL {float(tabular.exact_kl(direction).detach()):.3f};"
             f" batches of 8, {grad_trials} trials)\n\n"
+        )
+        parts.append(format_grad_audits(grads) + "\n")
+    gaussian = GaussianTestbed(mean=0.3, log_std=0.1, mean_ref=0.0, log_std_ref=0.0, dim=4)
+    for direction in ("pi||ref", "ref||pi"):
+        grads = [
+            audit_grad(
+                spec,
+                gaussian,
+                direction=direction,
+                batch_size=8,
+                n_trials=grad_trials,
+                seed=seed,
+                progress=progress,
+            )
+            for spec in REPARAMETERIZED_GRAD_AUDIT
+        ]
+        parts.append(
+            f"## Pathwise gradient estimators claiming KL({direction}) on reparameterized "
+            f"samples of a Gaussian (D=4; exact KL "
+            f"{float(gaussian.exact_kl(direction).detach()):.3f}; batches of 8, "
+            f"{grad_trials} trials)\n\n"
         )
         parts.append(format_grad_audits(grads) + "\n")
     from klest.audit_topk import topk_audit_section  # imported here: it imports this module

@@ -17,6 +17,8 @@ Gradient estimators (``grad=``; the table ``GRADIENT_ESTIMATORS`` holds each one
 ``pathwise``   autodiff of the direction's k1 through reparameterized x     grad of the KL
 ``stl``        same with log pi's parameters stopped ("sticking the         grad KL(pi||ref)
                landing"; drops a zero-mean term)
+``adaptive``   autodiff of k1 + c (k3 - k1), c fitted on the other rows to  grad of the KL
+               lower the variance (:mod:`klest.adaptive`)
 ``score``      KL(pi||ref): :math:`W (\sum_t s_t)(\sum_u \rho_u - b)`;      grad of the KL
                KL(ref||pi): :math:`-W (\sum_t s_t)(R - b)`
 ``cumulative`` KL(pi||ref): :math:`\sum_t s_t (\sum_{u\ge t} W_{\le u}          grad of the KL
@@ -82,6 +84,7 @@ from klest._types import (
     Level,
     Reduction,
 )
+from klest.adaptive import baseline_scale, mix_coefficient
 from klest.aggregation import KLDiagnostics, WithDetails, as_rows, group_keys
 from klest.estimators import (
     Alpha,
@@ -90,6 +93,7 @@ from klest.estimators import (
     check_level,
     estimate_rows,
     exact_position_kls,
+    k3_term,
     naive_term,
     prepare_log_ratios,
     rb_weights,
@@ -176,6 +180,9 @@ class SurrogateInputs:
             keys = self.keys
             if keys is None:
                 keys = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
+            if self.baseline == "loo-fitted":
+                scale = baseline_scale(targets, valid, keys)
+                return scale * group_baseline(targets, valid, "loo", keys)
             return group_baseline(targets, valid, self.baseline, keys)
         if targets.shape[-1] == 1:
             return self.baseline(targets, valid)
@@ -187,6 +194,14 @@ class SurrogateInputs:
 def _pathwise(x: SurrogateInputs) -> Estimate:
     """Autodiff of the direction's k1 through reparameterized samples."""
     return x.token_estimate(naive_term(x.lr.delta, x.direction))
+
+
+def _adaptive(x: SurrogateInputs) -> Estimate:
+    """k1 + c (k3 - k1) through reparameterized samples, c fitted on the other rows."""
+    d = x.lr.delta
+    k1 = naive_term(d, x.direction)
+    c = mix_coefficient(d, x.lr.valid, x.direction)
+    return x.token_estimate(k1 + c * (k3_term(d, x.direction) - k1))
 
 
 def _stl(x: SurrogateInputs) -> Estimate:
@@ -292,6 +307,9 @@ GRADIENT_ESTIMATORS: dict[str, GradientEstimator] = {
     for e in (
         GradientEstimator(
             "pathwise", _pathwise, "grad of the KL", "reparameterized", on_policy_only=True
+        ),
+        GradientEstimator(
+            "adaptive", _adaptive, "grad of the KL", "reparameterized", on_policy_only=True
         ),
         GradientEstimator(
             "stl",
@@ -461,8 +479,8 @@ def kl_penalty(
       logp_ref: log ref of the same tokens (a graph only through reparameterized samples).
       estimator: the value: ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``, ``"cv"`` (with
         ``alpha``) or ``"rb"`` (exact per-position KLs; needs logits).
-      grad: the gradient: ``"pathwise"``, ``"stl"``, ``"score"``, ``"cumulative"``, ``"rb"``,
-        ``"token"`` or ``"autodiff"`` (see ``GRADIENT_ESTIMATORS``).
+      grad: the gradient: ``"pathwise"``, ``"adaptive"``, ``"stl"``, ``"score"``,
+        ``"cumulative"``, ``"rb"``, ``"token"`` or ``"autodiff"`` (see ``GRADIENT_ESTIMATORS``).
       direction: ``"pi||ref"`` or ``"ref||pi"``.
       mask: bool ``[..., T]``: valid tokens. Rows may be empty.
       reduction: by the rule of :mod:`klest.aggregation`: ``"seq-mean-token-sum"`` (default:
@@ -470,13 +488,14 @@ def kl_penalty(
         divided by its length: not the gradient of a KL), ``"per-sequence"`` (one loss per
         sequence) or ``"none"`` (one loss per token, ``[..., T]``, summing to the per-sequence
         losses in value and gradient).
-      baseline: ``"loo"``, ``"mean"`` or a :class:`~klest.BaselineEMA`, for ``score``,
-        ``cumulative`` and ``rb``.
+      baseline: ``"loo"``, ``"mean"``, ``"loo-fitted"`` (leave-one-out times a cross-fitted
+        scale in [0, 1]: :mod:`klest.adaptive`) or a :class:`~klest.BaselineEMA`, for
+        ``score``, ``cumulative`` and ``rb``.
       group: integer ids ``logp.shape[:-1]``: samples of the same prompt (baselines and fitted
         alphas are computed within a group; a group of one gets leave-one-out baseline 0).
       reparameterized: the samples are x = g(theta, eps) and ``logp`` / ``logp_ref`` carry the
-        graph through x (VAEs, VI): required by ``pathwise`` / ``stl``, refused by the
-        score-function estimators.
+        graph through x (VAEs, VI): required by ``pathwise`` / ``adaptive`` / ``stl``, refused
+        by the score-function estimators.
       level: ``"token"`` or ``"sequence"`` for the value (see :func:`klest.kl_estimate`). For
         KL(ref||pi) the token-level value summed over a sequence is not the sequence KL (the
         prefixes come from pi): use ``level="sequence"`` or ``estimator="rb"`` there; every

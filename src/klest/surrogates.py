@@ -15,6 +15,8 @@ changing its expected gradient when :math:`b` does not depend on the sample it m
   sample alone in its group (gradient accumulation can split a prompt's samples) gets 0;
 - ``"mean"``: the group mean *including* the sample itself: it scales the expected gradient by
   ``1 - 1/n`` (biased; offered because it is common);
+- ``"loo-fitted"``: the leave-one-out baseline times a scale in [0, 1] cross-fitted on the
+  other half of the batch (:mod:`klest.adaptive`; unbiased), so a baseline never costs much;
 - :class:`BaselineEMA`: a moving average of earlier batches (unbiased).
 
 Per-position baselines compare the t-th token of each completion: rows are aligned at their

@@ -4,7 +4,9 @@ r"""Gradient pitfalls of KL estimators on tabular autoregressive policies.
 (2025, https://arxiv.org/abs/2506.09477) claims: autodiff of k1 has mean-zero gradient; autodiff
 of the variance-reduced k3 descends the other KL; token-level losses miss the effect of early
 tokens on later ones; the sequence-level ("cumulative") gradient with leave-one-out baselines is
-right. On random tabular policies with
+right. ``+loo-fitted`` rows: the leave-one-out baseline times a cross-fitted scale
+(:mod:`klest.adaptive`), which should never do worse than no baseline or the full one. On random
+tabular policies with
 exact gradients (V = 3, T = 4, every sequence enumerable), three parts:
 
 A. bias and MSE of each gradient estimator against the exact gradient of KL(pi||ref), as a
@@ -37,6 +39,7 @@ ESTIMATORS = (
     "k3/score+loo",
     "k3/cumulative",
     "k3/cumulative+loo",
+    "k3/cumulative+loo-fitted",
     "rb/rb",
     "rb/rb+loo",
 )
@@ -47,6 +50,7 @@ TRAINERS = (
     "k3/score+loo",
     "k3/cumulative",
     "k3/cumulative+loo",
+    "k3/cumulative+loo-fitted",
     "rb/rb",
 )
 REGIMES = {"low KL": 0.5, "high KL": 1.5}
