@@ -669,7 +669,13 @@ GRAD_AUDIT_BOTH = (
     "rb/rb",
 )
 GRAD_AUDIT_ONLY = {
-    "pi||ref": ("k2/autodiff", "rb/rb+loo", "rb/autodiff"),
+    "pi||ref": (
+        "k2/autodiff",
+        "rb/rb+loo",
+        "rb/autodiff",
+        "k3/cumulative+exact-kl",
+        "k3/token+exact-kl",
+    ),
     "ref||pi": (),
 }
 GRAD_AUDIT = {direction: GRAD_AUDIT_BOTH + only for direction, only in GRAD_AUDIT_ONLY.items()}
