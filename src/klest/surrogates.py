@@ -222,6 +222,17 @@ def exact_kl_baseline(
     Sangjun Song, Gyubin Choi, Yunho Choi and Yohan Jo (2026, https://arxiv.org/abs/2605.07865);
     for a target that sums the log-ratios to go it is the first term of the value, and the
     leave-one-out mean estimates the rest. 0 where ``valid`` is False; in ``targets``' dtype.
+
+    Example:
+      >>> targets = torch.tensor([[3.0, 1.0], [5.0, 2.0]])
+      >>> kls = torch.tensor([[0.5, 0.2], [0.7, 0.1]])
+      >>> valid, keys = torch.ones(2, 2, dtype=torch.bool), torch.zeros(2, dtype=torch.int64)
+      >>> exact_kl_baseline(targets, valid, kls, "exact-kl", keys)
+      tensor([[0.5000, 0.2000],
+              [0.7000, 0.1000]])
+      >>> exact_kl_baseline(targets, valid, kls, "exact-kl+loo", keys)  # + the other row's A - KL
+      tensor([[4.8000, 2.1000],
+              [3.2000, 0.9000]])
     """
     b = torch.where(valid, kls.detach().to(targets.dtype), 0.0)
     if kind == "exact-kl+loo":
