@@ -528,7 +528,9 @@ def kl_penalty(
         ``cumulative`` and ``rb``; ``"exact-kl"`` (vOPD: each token's exact per-position KL,
         from ``logits``/``logits_ref`` or ``position_kls``) or ``"exact-kl+loo"`` (plus the
         leave-one-out mean of the residuals), for ``cumulative`` and ``token`` with
-        ``direction="pi||ref"`` (see the module docstring).
+        ``direction="pi||ref"`` (see the module docstring). The exact KLs enter detached, and
+        any function of the prefix keeps the gradient unbiased: ``position_kls`` may be an
+        approximation (top-k, say).
       group: integer ids ``logp.shape[:-1]``: samples of the same prompt (baselines and fitted
         alphas are computed within a group; a group of one gets leave-one-out baseline 0).
       reparameterized: the samples are x = g(theta, eps) and ``logp`` / ``logp_ref`` carry the
