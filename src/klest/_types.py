@@ -29,8 +29,10 @@ Estimator = Literal["k1", "k2", "k3", "abs", "cv", "rb"]
 Grad = Literal["pathwise", "adaptive", "stl", "score", "cumulative", "rb", "token", "autodiff"]
 """Gradient estimators of :func:`klest.kl_penalty` (see ``klest.penalty.GRADIENT_ESTIMATORS``)."""
 
-Baseline = Literal["loo", "mean", "loo-fitted"]
-"""Baselines computed within a batch; a :class:`klest.BaselineEMA` remembers earlier batches."""
+Baseline = Literal["loo", "mean", "loo-fitted", "exact-kl", "exact-kl+loo"]
+"""Baselines computed within a batch (``"loo-fitted"``: leave-one-out times a cross-fitted
+scale; ``"exact-kl"``: each position's exact KL(pi||ref) from logits, optionally plus the
+leave-one-out mean of the rest); a :class:`klest.BaselineEMA` remembers earlier batches."""
 
 AlphaFit = Literal["loo", "crossfit", "in-sample"]
 """How the control-variate coefficient is fitted within a batch (``"in-sample"`` is biased)."""

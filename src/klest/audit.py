@@ -30,10 +30,15 @@ from torch import Tensor
 
 from klest._checks import check_choice, check_direction
 from klest._progress import progress_bar
-from klest._types import AlphaFit, Estimator
+from klest._types import AlphaFit, Baseline, Estimator
 from klest.control_variates import AlphaEMA
 from klest.estimators import kl_estimate, per_token_values
-from klest.penalty import GRADIENT_ESTIMATORS, KLGradientWarning, kl_penalty
+from klest.penalty import (
+    EXACT_KL_BASELINES,
+    GRADIENT_ESTIMATORS,
+    KLGradientWarning,
+    kl_penalty,
+)
 from klest.surrogates import BaselineEMA
 from klest.testbeds import CategoricalTestbed, GaussianTestbed, TabularAutoregressive
 from klest.testbeds.base import Sample, Testbed, make_generator
@@ -289,7 +294,8 @@ class GradSpec:
     """A value/gradient pair for :func:`klest.kl_penalty`: ``"k3/cumulative+loo"``, ``"rb/rb"``.
 
     Syntax: ``VALUE/GRAD[+BASELINE]`` where VALUE is a value estimator (``cv:0.5`` allowed),
-    GRAD a gradient estimator and BASELINE ``loo``, ``mean``, ``loo-fitted`` or ``ema``.
+    GRAD a gradient estimator and BASELINE ``loo``, ``mean``, ``loo-fitted``, ``ema``,
+    ``exact-kl`` or ``exact-kl+loo`` (``"k3/cumulative+exact-kl+loo"``).
     """
 
     value: str
@@ -310,7 +316,7 @@ class GradSpec:
         grad, _, baseline = grad_part.partition("+")
         check_choice("grad", grad, tuple(GRADIENT_ESTIMATORS))
         if baseline:
-            check_choice("baseline", baseline, ("loo", "mean", "loo-fitted", "ema"))
+            check_choice("baseline", baseline, (*get_args(Baseline), "ema"))
         return cls(value, grad, baseline or None, alpha)
 
     def label(self) -> str:
@@ -322,7 +328,7 @@ class GradSpec:
         baseline: object = BaselineEMA() if self.baseline == "ema" else self.baseline
         alpha: object = AlphaEMA() if self.alpha == "ema" else self.alpha
 
-        uses_logits = "rb" in (self.value, self.grad)
+        uses_logits = "rb" in (self.value, self.grad) or self.baseline in EXACT_KL_BASELINES
 
         def loss(sample: Sample) -> Tensor:
             with warnings.catch_warnings():
@@ -665,7 +671,14 @@ GRAD_AUDIT_BOTH = (
     "rb/rb",
 )
 GRAD_AUDIT_ONLY = {
-    "pi||ref": ("k2/autodiff", "rb/rb+loo", "rb/rb+loo-fitted", "rb/autodiff"),
+    "pi||ref": (
+        "k2/autodiff",
+        "rb/rb+loo",
+        "rb/rb+loo-fitted",
+        "rb/autodiff",
+        "k3/cumulative+exact-kl",
+        "k3/token+exact-kl",
+    ),
     "ref||pi": (),
 }
 GRAD_AUDIT = {direction: GRAD_AUDIT_BOTH + only for direction, only in GRAD_AUDIT_ONLY.items()}

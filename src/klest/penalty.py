@@ -45,6 +45,17 @@ in high dimensions, which is why the Chimera estimator takes k3's value and k1's
 Baselines (``baseline=``) apply to ``score``, ``cumulative`` and ``rb`` (KL(pi||ref)): see
 :mod:`klest.surrogates`. Per-position baselines align completions at their first valid token.
 
+The exact-KL baselines (``"exact-kl"``, ``"exact-kl+loo"``; KL(pi||ref), ``cumulative`` and
+``token``, with ``logits``/``logits_ref`` or ``position_kls``) subtract from token t's target
+the exact :math:`KL_t(y_{<t}) = E[\rho_t|y_{<t}]`, the value function of the per-token reward
+:math:`-\rho_t`. On-policy distillation with a per-token reward is ``grad="token"`` (each
+token's own log-ratio), and ``grad="token", baseline="exact-kl"`` is vOPD's estimator,
+:math:`\sum_t s_t (\rho_t - KL_t)`; ``grad="cumulative", baseline="exact-kl"`` is
+:math:`\sum_t s_t (\sum_{u\ge t} \rho_u - KL_t)`, unbiased for the sequence KL, and
+``"exact-kl+loo"`` adds the other samples' mean residual :math:`\sum_{u\ge t}\rho_u - KL_t`
+(the expected future KLs, which the logits do not give). ``rb`` already replaces each
+:math:`\rho_t` by :math:`KL_t` (its score terms start after t), so it takes ``"loo"`` instead.
+
 References:
   "On a few pitfalls in KL divergence gradient estimation for RL" by Yunhao Tang and Rémi Munos
   (2025, https://arxiv.org/abs/2506.09477): autodiff pitfalls, cumulative, leave-one-out.
@@ -52,6 +63,9 @@ References:
   Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637): rb.
   "The Chimera Estimator" by Kirato Yoshihara (2026,
   https://kiratoyoshihara.github.io/essays/chimera-kl.html): value and gradient chosen apart.
+  "KL for a KL: On-Policy Distillation with Control Variate Baseline" by Minjae Oh, Sangjun
+  Song, Gyubin Choi, Yunho Choi and Yohan Jo (2026, https://arxiv.org/abs/2605.07865): the
+  exact per-position KL as a baseline (vOPD).
 """
 
 from __future__ import annotations
@@ -106,7 +120,13 @@ from klest.sequence import (
     sum_from_here,
     unalign,
 )
-from klest.surrogates import BaselineEMA, group_baseline, group_sizes, join
+from klest.surrogates import (
+    BaselineEMA,
+    exact_kl_baseline,
+    group_baseline,
+    group_sizes,
+    join,
+)
 
 
 class KLGradientWarning(UserWarning):
@@ -183,6 +203,9 @@ class SurrogateInputs:
             if self.baseline == "loo-fitted":
                 scale = baseline_scale(targets, valid, keys)
                 return scale * group_baseline(targets, valid, "loo", keys)
+            if self.baseline in EXACT_KL_BASELINES:
+                assert self.kls is not None
+                return exact_kl_baseline(targets, valid, self.kls, self.baseline, keys)
             return group_baseline(targets, valid, self.baseline, keys)
         if targets.shape[-1] == 1:
             return self.baseline(targets, valid)
@@ -214,6 +237,7 @@ def _token(x: SurrogateInputs) -> Estimate:
     """Each token's score times its own (weighted) log-ratio term only."""
     d = x.lr.delta.detach()
     coef = d if x.direction == "pi||ref" else -torch.expm1(-d)
+    coef = coef - x.baseline_for(coef, x.lr.valid)  # only an exact-KL baseline gets here
     if x.lr.log_w is not None:
         coef = torch.exp(x.lr.log_w.detach()) * coef
     return x.score_estimate(coef)
@@ -345,6 +369,33 @@ GRADIENT_ESTIMATORS: dict[str, GradientEstimator] = {
 """Every gradient estimator of :func:`kl_penalty`, by name."""
 
 
+EXACT_KL_BASELINES: tuple[str, ...] = ("exact-kl", "exact-kl+loo")
+"""Baselines built from the exact per-position KLs (they need logits or ``position_kls``)."""
+
+EXACT_KL_GRADS: tuple[str, ...] = ("cumulative", "token")
+"""The gradient estimators that take an exact-KL baseline, for KL(pi||ref) only."""
+
+
+def _check_exact_kl_baseline(grad: str, direction: str, baseline: str) -> None:
+    if direction != "pi||ref":
+        raise ValueError(
+            f"baseline={baseline!r} subtracts the exact per-position KL(pi||ref), the mean of "
+            f"each sampled log-ratio given its prefix: it applies to direction='pi||ref' only, "
+            f"not {direction!r}"
+        )
+    if grad not in EXACT_KL_GRADS:
+        why = {
+            "rb": "rb already replaces each sampled log-ratio by its exact KL; use "
+            "baseline='loo' with it",
+            "score": "score multiplies the whole sequence's score by one target; use "
+            "grad='cumulative'",
+        }.get(grad, "it is not a per-token score-function estimator")
+        raise ValueError(
+            f"baseline={baseline!r} applies to grad='cumulative' and grad='token' only, not "
+            f"grad={grad!r}: {why}"
+        )
+
+
 def _warn(message: str) -> None:
     warnings.warn(message, KLGradientWarning, stacklevel=3)
 
@@ -391,6 +442,9 @@ def _check_rules(
         return
     if not isinstance(baseline, BaselineEMA):
         check_choice("baseline", baseline, Baseline)
+        if baseline in EXACT_KL_BASELINES:
+            _check_exact_kl_baseline(est.name, direction, baseline)
+            return
     if direction not in est.baseline_directions:
         takes = ", ".join(
             f"{e.name} ({' and '.join(f'KL({d})' for d in e.baseline_directions)})"
@@ -490,7 +544,13 @@ def kl_penalty(
         losses in value and gradient).
       baseline: ``"loo"``, ``"mean"``, ``"loo-fitted"`` (leave-one-out times a cross-fitted
         scale in [0, 1]: :mod:`klest.adaptive`) or a :class:`~klest.BaselineEMA`, for
-        ``score``, ``cumulative`` and ``rb``.
+        ``score``, ``cumulative`` and ``rb``; ``"exact-kl"`` (vOPD: each token's exact
+        per-position KL, from ``logits``/``logits_ref`` or ``position_kls``) or
+        ``"exact-kl+loo"`` (plus the leave-one-out mean of the residuals), for ``cumulative``
+        and ``token`` with ``direction="pi||ref"`` (see the module docstring). The exact KLs
+        enter detached, and
+        any function of the prefix keeps the gradient unbiased: ``position_kls`` may be an
+        approximation (top-k, say).
       group: integer ids ``logp.shape[:-1]``: samples of the same prompt (baselines and fitted
         alphas are computed within a group; a group of one gets leave-one-out baseline 0).
       reparameterized: the samples are x = g(theta, eps) and ``logp`` / ``logp_ref`` carry the
@@ -503,9 +563,9 @@ def kl_penalty(
       alpha: coefficient for ``estimator="cv"`` (see :func:`klest.kl_estimate`).
       logp_behavior: log behavior of the tokens when they were not sampled from pi.
       logits: pi's next-token logits along the samples, ``logp.shape + (V,)``, with graph
-        (read only by ``estimator="rb"`` / ``grad="rb"``; a training loop may pass them
-        always). With ``grad="rb"`` the exact KLs' gradient is written during the forward pass,
-        so the loss can be backpropagated once.
+        (read only by ``estimator="rb"`` / ``grad="rb"`` / the exact-KL baselines; a training
+        loop may pass them always). With ``grad="rb"`` the exact KLs' gradient is written
+        during the forward pass, so the loss can be backpropagated once.
       logits_ref: ref's, same shape.
       position_kls: instead of ``logits`` / ``logits_ref``: the exact per-position KLs
         ``logp.shape`` in ``direction``, with their graph (e.g. :func:`klest.kl_from_hidden`
@@ -565,7 +625,8 @@ def kl_penalty(
     )
     keys = None if group is None else group_keys(check_group(group, logp.shape, logp.device))
     kls = None
-    if "rb" in (estimator, grad):
+    exact_baseline = isinstance(baseline, str) and baseline in EXACT_KL_BASELINES
+    if "rb" in (estimator, grad) or exact_baseline:
         # A graph (and the gradient buffer the logits path writes) only if the gradient uses it.
         with torch.set_grad_enabled(torch.is_grad_enabled() and grad in ("rb", "autodiff")):
             kls = exact_position_kls(
@@ -576,7 +637,7 @@ def kl_penalty(
                 position_kls=position_kls,
                 direction=direction,
                 checks=checks,
-                why=f"estimator={estimator!r} / grad={grad!r}",
+                why=f"estimator={estimator!r} / grad={grad!r} / baseline={baseline!r}",
             )
     if alpha is not None and estimator != "cv":
         raise ValueError(f"alpha applies only to estimator='cv', not {estimator!r}")

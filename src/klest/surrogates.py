@@ -17,7 +17,12 @@ changing its expected gradient when :math:`b` does not depend on the sample it m
   ``1 - 1/n`` (biased; offered because it is common);
 - ``"loo-fitted"``: the leave-one-out baseline times a scale in [0, 1] cross-fitted on the
   other half of the batch (:mod:`klest.adaptive`; unbiased), so a baseline never costs much;
-- :class:`BaselineEMA`: a moving average of earlier batches (unbiased).
+- :class:`BaselineEMA`: a moving average of earlier batches (unbiased);
+- ``"exact-kl"``: at each position t of a sequence, the exact
+  :math:`KL_t(y_{<t}) = KL(\pi(\cdot|y_{<t})\|ref(\cdot|y_{<t})) = E[\rho_t|y_{<t}]` from the
+  logits (it depends on the prefix only, so it is unbiased); ``"exact-kl+loo"`` adds the
+  leave-one-out mean of the other samples' residual targets :math:`A_t - KL_t` (see
+  :func:`exact_kl_baseline`).
 
 Per-position baselines compare the t-th token of each completion: rows are aligned at their
 first valid token, so left- and right-padded batches give the same result.
@@ -197,6 +202,44 @@ def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> T
         sums, counts = sums - x, counts - counted
     baseline = sums / counts.clamp(min=1.0)
     return unalign(baseline, first) if per_position else baseline
+
+
+def exact_kl_baseline(
+    targets: Tensor, valid: Tensor, kls: Tensor, kind: str, keys: Tensor
+) -> Tensor:
+    r"""The ``"exact-kl"`` / ``"exact-kl+loo"`` baseline of per-position ``targets`` ``[rows, T]``.
+
+    .. math::
+        b_t = KL_t(y_{<t}) \quad\text{or}\quad
+        b_t = KL_t(y_{<t}) + \frac{1}{n_t - 1} \sum_{j \ne i} \big(A^{(j)}_t - KL^{(j)}_t\big)
+
+    where :math:`KL_t(y_{<t}) = E_{y_t \sim \pi}[\log\pi(y_t|y_{<t}) - \log ref(y_t|y_{<t})]`
+    is the exact per-position KL(pi||ref) (``kls``, detached here) and the sum runs over the
+    other rows of the same group valid at the t-th token of their completion (as
+    :func:`group_baseline` with ``"loo"``). Both depend only on the prefix :math:`y_{<t}` of the
+    row they are subtracted in and on independent rows, so :math:`E[s_t b_t] = 0`.
+
+    :math:`KL_t` is the value function of the per-token reward :math:`-\rho_t`, the closed-form
+    baseline of "KL for a KL: On-Policy Distillation with Control Variate Baseline" by Minjae Oh,
+    Sangjun Song, Gyubin Choi, Yunho Choi and Yohan Jo (2026, https://arxiv.org/abs/2605.07865);
+    for a target that sums the log-ratios to go it is the first term of the value, and the
+    leave-one-out mean estimates the rest. 0 where ``valid`` is False; in ``targets``' dtype.
+
+    Example:
+      >>> targets = torch.tensor([[3.0, 1.0], [5.0, 2.0]])
+      >>> kls = torch.tensor([[0.5, 0.2], [0.7, 0.1]])
+      >>> valid, keys = torch.ones(2, 2, dtype=torch.bool), torch.zeros(2, dtype=torch.int64)
+      >>> exact_kl_baseline(targets, valid, kls, "exact-kl", keys)
+      tensor([[0.5000, 0.2000],
+              [0.7000, 0.1000]])
+      >>> exact_kl_baseline(targets, valid, kls, "exact-kl+loo", keys)  # + the other row's A - KL
+      tensor([[4.8000, 2.1000],
+              [3.2000, 0.9000]])
+    """
+    b = torch.where(valid, kls.detach().to(targets.dtype), 0.0)
+    if kind == "exact-kl+loo":
+        b = b + group_baseline(targets - b, valid, "loo", keys)
+    return b
 
 
 def group_sizes(keys: Tensor) -> Tensor:

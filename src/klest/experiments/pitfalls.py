@@ -16,6 +16,10 @@ C. maximizing E_pi[R] - beta KL(pi||ref) (the RLHF objective; the reward gradien
    optimum pi*(y) = ref(y) e^{R(y)/beta} / Z is known: exact KL(pi||pi*) over steps. An estimator
    that descends a different KL converges to a different policy here.
 
+Beside the paper's estimators: ``k3/cumulative+exact-kl``, cumulative with each position's exact
+KL as its baseline (vOPD's control variate, "KL for a KL: On-Policy Distillation with Control
+Variate Baseline" by Minjae Oh et al., 2026, https://arxiv.org/abs/2605.07865).
+
 The experiment only calls :func:`klest.kl_penalty` (via :class:`klest.audit.GradSpec`) and
 :func:`klest.audit_grad`.
 """
@@ -42,6 +46,7 @@ ESTIMATORS = (
     "k3/cumulative+loo-fitted",
     "rb/rb",
     "rb/rb+loo",
+    "k3/cumulative+exact-kl",
 )
 TRAINERS = (
     "k1/autodiff",
@@ -52,6 +57,7 @@ TRAINERS = (
     "k3/cumulative+loo",
     "k3/cumulative+loo-fitted",
     "rb/rb",
+    "k3/cumulative+exact-kl",
 )
 REGIMES = {"low KL": 0.5, "high KL": 1.5}
 BETA = 0.5
