@@ -10,6 +10,7 @@ def registry() -> dict[str, Experiment]:
     from klest.experiments import (
         chimera,
         control_variates,
+        lm_gradients,
         migration,
         mode_seeking,
         pitfalls,
@@ -24,6 +25,7 @@ def registry() -> dict[str, Experiment]:
         control_variates.EXPERIMENT,
         mode_seeking.EXPERIMENT,
         migration.EXPERIMENT,
+        lm_gradients.EXPERIMENT,
     ]
     return {e.name: e for e in experiments}
 
