@@ -97,7 +97,9 @@ def test_evaluate_runs_the_models_on_the_samples(tb):
             want_ref = next_log_probs(tb.reference, prompt, prefix)
             assert torch.allclose(s.logits[row, t].detach(), want, atol=1e-12)
             assert torch.allclose(s.logits_ref[row, t], want_ref, atol=1e-12)
-            assert float(s.logp[row, t]) == pytest.approx(float(want[s.x[row, t]]), abs=1e-12)
+            assert float(s.logp[row, t].detach()) == pytest.approx(
+                float(want[s.x[row, t]]), abs=1e-12
+            )
 
 
 def test_sampling_frequencies_match_exact_probabilities(tb):
@@ -123,9 +125,11 @@ def test_exact_kls_are_monte_carlo_means(tb):
     with torch.no_grad():
         s = tb.sample(20_000, generator=make_generator(3))
         delta = ((s.logp - s.logp_ref) * s.mask).sum(-1)
-    assert_mean_close(delta, float(tb.exact_kl("pi||ref")), z=z, what="KL(pi||ref)")
+    assert_mean_close(delta, float(tb.exact_kl("pi||ref").detach()), z=z, what="KL(pi||ref)")
     ratio = torch.exp(-delta)
-    assert_mean_close(ratio * -delta, float(tb.exact_kl("ref||pi")), z=z, what="KL(ref||pi)")
+    assert_mean_close(
+        ratio * -delta, float(tb.exact_kl("ref||pi").detach()), z=z, what="KL(ref||pi)"
+    )
 
 
 def gpt2_pair(vocab_size: int, *, seed: int, dropout: float = 0.1):
@@ -197,6 +201,16 @@ def test_any_causal_lm_with_dropout_is_made_deterministic():
     s = tb.sample(4, generator=make_generator(0))
     assert torch.equal(s.logp, tb.evaluate(s.x).logp)
     assert float(tb.exact_kl()) == pytest.approx(slow_kl(tb, "pi||ref"), rel=1e-10)
+
+
+def test_horizon_one_is_the_categorical_kl_after_the_prompt():
+    policy, reference = gpt2_pair(4, seed=7)
+    tb = LanguageModelTestbed(policy, reference, prompt=[2, 3], horizon=1, eos=0)
+    lp = next_log_probs(policy, [2, 3], ())
+    lr = next_log_probs(reference, [2, 3], ())
+    want = float((lp.exp() * (lp - lr)).sum())
+    assert float(tb.exact_kl().detach()) == pytest.approx(want, rel=1e-12)
+    assert tb.sample(5, generator=make_generator(0)).logp.shape == (5, 1)
 
 
 def test_bad_input_is_named():
