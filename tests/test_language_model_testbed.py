@@ -222,6 +222,8 @@ def test_bad_input_is_named():
         LanguageModelTestbed(a, b, prompt=[0], horizon=2, eos=1)
     with pytest.raises(ValueError, match="eos must be a token id in"):
         LanguageModelTestbed(a, a, prompt=[0], horizon=2, eos=4)
+    with pytest.raises(ValueError, match="eos must be a token id in"):
+        LanguageModelTestbed(a, a, prompt=[0], horizon=2, eos=None)
     with pytest.raises(ValueError, match="prompt must hold at least one token"):
         LanguageModelTestbed(a, a, prompt=[], horizon=2, eos=1)
     with pytest.raises(ValueError, match="prompt must hold token ids"):

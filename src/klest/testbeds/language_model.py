@@ -132,7 +132,7 @@ class LanguageModelTestbed(TabularAutoregressive):
                 f"policy has a vocabulary of {v} tokens but reference has {v_ref}: the KL needs "
                 "one vocabulary"
             )
-        if not 0 <= eos < v:
+        if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < v:
             raise ValueError(f"eos must be a token id in [0, {v}), got {eos}")
         if v**horizon > _MAX_ENUMERATED:
             raise ValueError(
