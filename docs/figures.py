@@ -20,6 +20,7 @@ FIGURES = {
     "control-variates": ("heavy_tails",),
     "mode-seeking": ("fits",),
     "migration": ("gradient_coefficients",),
+    "lm-gradients": ("mse_and_bias",),
 }
 OUT = Path(__file__).resolve().parent / "_static" / "experiments"
 MAX_WIDTH = 1100

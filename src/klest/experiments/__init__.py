@@ -10,6 +10,7 @@ def registry() -> dict[str, Experiment]:
     from klest.experiments import (
         chimera,
         control_variates,
+        lm_gradients,
         migration,
         mode_seeking,
         pitfalls,
@@ -26,6 +27,7 @@ def registry() -> dict[str, Experiment]:
         mode_seeking.EXPERIMENT,
         migration.EXPERIMENT,
         topk.EXPERIMENT,
+        lm_gradients.EXPERIMENT,
     ]
     return {e.name: e for e in experiments}
 

@@ -7,6 +7,8 @@ derive from :class:`SampledTestbed`.
 - :class:`CategoricalTestbed`: one categorical distribution, exact by summation.
 - :class:`TabularAutoregressive`: autoregressive policies over sequences, exact by enumeration
   or (Markov policies) dynamic programming.
+- :class:`LanguageModelTestbed`: a small causal language model (policy and reference) whose
+  completions up to a horizon are enumerated: exact sequence KLs and their gradients.
 - :class:`OffPolicyTestbed`: samples from a behavior policy, answers of a target pair.
 - :class:`ScoreFunctionGaussian`: Gaussians with non-reparameterized samples.
 - :class:`GaussianMixtureTarget`: a fixed 1-D Gaussian mixture, KLs to a Gaussian by quadrature.
@@ -16,6 +18,7 @@ from klest.testbeds.autoregressive import TabularAutoregressive
 from klest.testbeds.base import Sample, SampledTestbed, Testbed, make_generator
 from klest.testbeds.categorical import CategoricalTestbed
 from klest.testbeds.gaussian import GaussianTestbed
+from klest.testbeds.language_model import LanguageModelTestbed
 from klest.testbeds.mixture import GaussianMixtureTarget
 from klest.testbeds.wrappers import OffPolicyTestbed, ScoreFunctionGaussian
 
@@ -23,6 +26,7 @@ __all__ = [
     "CategoricalTestbed",
     "GaussianMixtureTarget",
     "GaussianTestbed",
+    "LanguageModelTestbed",
     "OffPolicyTestbed",
     "Sample",
     "SampledTestbed",
