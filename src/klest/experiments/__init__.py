@@ -13,6 +13,7 @@ def registry() -> dict[str, Experiment]:
         migration,
         mode_seeking,
         pitfalls,
+        rb_vs_mc,
         schulman,
     )
 
@@ -24,6 +25,7 @@ def registry() -> dict[str, Experiment]:
         control_variates.EXPERIMENT,
         mode_seeking.EXPERIMENT,
         migration.EXPERIMENT,
+        rb_vs_mc.EXPERIMENT,
     ]
     return {e.name: e for e in experiments}
 
