@@ -400,7 +400,7 @@ def _gradient_study(policy, ref, prompts: Tensor, sizes: Sizes, gen, bar) -> dic
     return out
 
 
-def _table(summary: dict, reference: dict, grads: dict, timing: dict, kl: dict) -> str:
+def _table(summary: dict, grads: dict, timing: dict, kl: dict) -> str:
     lines = [
         f"KL(pi||ref) of completions: mean over prompts {kl['mean']:.3f} nats (range "
         f"{kl['min']:.2f} to {kl['max']:.2f}); reference per prompt: rb over "
@@ -460,8 +460,11 @@ def _figures(summary: dict) -> dict:
     axes[0].set_xticks(MS, [str(m) for m in MS])
     axes[1].axhline(0.0, color="k", lw=0.8)
     axes[1].set(
-        xlabel="samples M", ylabel="estimate - reference (nats)", title="Bias ± se over prompts"
+        xlabel="samples M",
+        ylabel="estimate - reference (nats, symlog)",
+        title="Bias ± se over prompts",
     )
+    axes[1].set_yscale("symlog", linthresh=0.1)
     axes[1].set_xticks(MS, [str(m) for m in MS])
     axes[0].legend(fontsize=8)
     fig.tight_layout()
@@ -537,7 +540,7 @@ def _run(ref: Any, policy: Any, sizes: Sizes, config: RunConfig) -> Report:
     }
     sentence = _summary_sentence(summary, grads)
     results["summary"] = sentence
-    table = _table(summary, reference, grads, timing, kl) + "\n" + sentence + "\n"
+    table = _table(summary, grads, timing, kl) + "\n" + sentence + "\n"
     return Report(results, table, _figures(summary), sentence)
 
 
