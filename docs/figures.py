@@ -21,6 +21,7 @@ FIGURES = {
     "mode-seeking": ("fits",),
     "migration": ("gradient_coefficients",),
     "lm-gradients": ("mse_and_bias",),
+    "rb-vs-mc": ("sd_and_bias_vs_m",),
 }
 OUT = Path(__file__).resolve().parent / "_static" / "experiments"
 MAX_WIDTH = 1100

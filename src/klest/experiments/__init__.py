@@ -14,6 +14,7 @@ def registry() -> dict[str, Experiment]:
         migration,
         mode_seeking,
         pitfalls,
+        rb_vs_mc,
         schulman,
         topk,
     )
@@ -28,6 +29,7 @@ def registry() -> dict[str, Experiment]:
         migration.EXPERIMENT,
         topk.EXPERIMENT,
         lm_gradients.EXPERIMENT,
+        rb_vs_mc.EXPERIMENT,
     ]
     return {e.name: e for e in experiments}
 

@@ -30,9 +30,8 @@ import torch
 
 from klest._progress import progress_bar
 from klest.audit import GradSpec, audit_grad, gradient_draws
-from klest.experiments.pitfalls import ESTIMATORS as TABULAR_ESTIMATORS
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
-from klest.penalty import GRADIENT_ESTIMATORS
+from klest.penalty import EXACT_KL_BASELINES, GRADIENT_ESTIMATORS
 from klest.testbeds import LanguageModelTestbed
 
 VOCAB, HORIZON, EOS, SCALE, BATCH = 5, 5, 1, 10.0, 8
@@ -40,10 +39,20 @@ DIRECTIONS = ("pi||ref", "ref||pi")
 REGIMES = {"low KL": 0.3, "high KL": 1.0}
 """How far pi's weights are moved from ref's toward another initialization."""
 
-ESTIMATORS: tuple[str, ...] = (*TABULAR_ESTIMATORS,)
-"""The audited ``VALUE/GRAD[+BASELINE]`` specs (:class:`klest.audit.GradSpec`): those of the
-tabular ``pitfalls`` experiment (append new ones here); each is run in every direction its
-gradient estimator and baseline support."""
+ESTIMATORS: tuple[str, ...] = (
+    "k1/autodiff",
+    "k3/autodiff",
+    "k3/token",
+    "k3/score",
+    "k3/score+loo",
+    "k3/cumulative",
+    "k3/cumulative+loo",
+    "rb/rb",
+    "rb/rb+loo",
+)
+"""The audited ``VALUE/GRAD[+BASELINE]`` specs (:class:`klest.audit.GradSpec`): the estimators
+of Tang and Munos's comparison (append new ones here, and rerun the full size for the docs);
+each is run in every direction its gradient estimator and baseline support."""
 
 
 def estimators_for(direction: str) -> list[str]:
@@ -60,6 +69,8 @@ def estimators_for(direction: str) -> list[str]:
         if direction not in rules.directions:
             continue
         if parsed.baseline is not None and direction not in rules.baseline_directions:
+            continue
+        if parsed.baseline in EXACT_KL_BASELINES and direction != "pi||ref":
             continue
         out.append(spec)
     return out
