@@ -17,15 +17,14 @@ import torch
 pytest.importorskip("transformers", reason="the klest[hf] extra (installed by make test)")
 pytest.importorskip("matplotlib", reason="the klest[experiments] extra")
 
-from klest.experiments.rb_vs_mc import (
-    MS,
-    UNBIASED,
+from klest.experiments.rb_vs_mc import MS, UNBIASED, rb_control_variate
+from klest.experiments.reviews import BOS_ID, EOS_ID, ID, PAD_ID
+from klest.experiments.small_lms import (
+    Architecture,
+    build_gpt2,
     completion_log_probs,
-    rb_control_variate,
     sample_completions,
 )
-from klest.experiments.reviews import BOS_ID, EOS_ID, ID, PAD_ID
-from klest.experiments.small_lms import Architecture, build_gpt2
 from tests._stats import RATE, t_for, z_for
 from tests.test_experiments import run_quick
 

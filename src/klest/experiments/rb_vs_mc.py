@@ -75,18 +75,20 @@ from klest.estimators import control_term, kl_estimate
 from klest.experiments.reviews import (
     BOS_ID,
     ENTHUSIAST,
-    EOS_ID,
     NEUTRAL,
-    PAD_ID,
     sample_reviews,
 )
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.experiments.small_lms import (
     DEFAULT_CACHE,
+    MAX_LENGTH,
     REFERENCE,
     STUDENT,
     Architecture,
+    Batch,
     Training,
+    completion_log_probs,
+    sample_completions,
     trained_gpt2,
 )
 from klest.penalty import kl_penalty
@@ -100,7 +102,7 @@ GRADIENTS = ("mc/score", "mc/cumulative", "rb/rb")
 # The paper's gradient-norm variances (MC -> RB), for the table.
 PAPER_GRAD_NORM_VARIANCE = {"mc/score": 59.90, "rb/rb": 45.44}
 PROMPT_TOKENS = (1, 2, 3)
-HORIZON = ENTHUSIAST.max_length  # both styles write reviews of up to 23 tokens
+HORIZON = MAX_LENGTH  # both styles write reviews of up to 23 tokens
 
 
 @dataclass(frozen=True)
@@ -125,48 +127,6 @@ class Sizes:
 
 FULL = Sizes(REFERENCE, 600, 200, 256, 50, 200, 8, 4, 100, 10)
 QUICK = Sizes(STUDENT, 120, 60, 32, 8, 48, 4, 4, 30, 5)
-
-
-@dataclass
-class Batch:
-    """Completions of prompts of one length ``k``: tokens ``[n, HORIZON]`` (prompt included),
-    and for the completion positions ``k .. HORIZON - 1``: the valid-token mask ``[n, L]``."""
-
-    tokens: Tensor
-    k: int
-    mask: Tensor
-
-
-@torch.no_grad()
-def sample_completions(
-    model: Any, prompts: Tensor, *, generator: torch.Generator, horizon: int = HORIZON
-) -> Batch:
-    """Complete each prompt ``[n, k]`` (all of length k) by sampling from ``model`` at
-    temperature 1 with the whole distribution (no top-k, no top-p) up to ``horizon`` tokens;
-    tokens after ``<eos>`` are ``<pad>`` and masked out."""
-    n, k = prompts.shape
-    tokens = torch.full((n, horizon), PAD_ID, dtype=torch.long)
-    tokens[:, :k] = prompts
-    done = torch.zeros(n, dtype=torch.bool)
-    mask = torch.zeros(n, horizon - k, dtype=torch.bool)
-    for t in range(k, horizon):
-        logits = model(input_ids=tokens[:, :t]).logits[:, -1].double()
-        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
-        mask[:, t - k] = ~done
-        tokens[:, t] = torch.where(done, PAD_ID, nxt)
-        done |= nxt == EOS_ID
-        if bool(done.all()):
-            break
-    return Batch(tokens, k, mask)
-
-
-def completion_log_probs(model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
-    """``model``'s next-token logits along the completions ``[n, L, V]`` (float64) and the
-    sampled tokens' log-probs ``[n, L]`` (the logits at column t - 1 score the token at t)."""
-    logits = model(input_ids=batch.tokens[:, :-1]).logits[:, batch.k - 1 :].double()
-    targets = batch.tokens[:, batch.k :]
-    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    return logits, torch.where(batch.mask, logp, 0.0)
 
 
 def _groups(n_rows: int, m: int) -> Tensor:

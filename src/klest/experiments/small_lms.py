@@ -19,11 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from klest._progress import progress_bar
 from klest.experiments.reviews import (
     BOS_ID,
+    ENTHUSIAST,
     EOS_ID,
+    NEUTRAL,
     PAD_ID,
     VOCAB,
     ReviewStyle,
@@ -175,3 +178,49 @@ def review_log_prob(model: Any, reviews: torch.Tensor) -> torch.Tensor:
     targets = reviews[:, 1:]
     token_logp = logp.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return torch.where(targets != PAD_ID, token_logp, 0.0).sum(-1)
+
+
+MAX_LENGTH = max(NEUTRAL.max_length, ENTHUSIAST.max_length)
+"""The longest review of the shipped styles (prompt included): the default sampling horizon."""
+
+
+@dataclass
+class Batch:
+    """Completions of prompts of one length ``k``: tokens ``[n, horizon]`` (prompt included),
+    and for the completion positions ``k .. horizon - 1``: the valid-token mask ``[n, L]``."""
+
+    tokens: Tensor
+    k: int
+    mask: Tensor
+
+
+@torch.no_grad()
+def sample_completions(
+    model: Any, prompts: Tensor, *, generator: torch.Generator, horizon: int = MAX_LENGTH
+) -> Batch:
+    """Complete each prompt ``[n, k]`` (all of length k) by sampling from ``model`` at
+    temperature 1 with the whole distribution (no top-k, no top-p) up to ``horizon`` tokens;
+    tokens after ``<eos>`` are ``<pad>`` and masked out."""
+    n, k = prompts.shape
+    tokens = torch.full((n, horizon), PAD_ID, dtype=torch.long)
+    tokens[:, :k] = prompts
+    done = torch.zeros(n, dtype=torch.bool)
+    mask = torch.zeros(n, horizon - k, dtype=torch.bool)
+    for t in range(k, horizon):
+        logits = model(input_ids=tokens[:, :t]).logits[:, -1].double()
+        nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
+        mask[:, t - k] = ~done
+        tokens[:, t] = torch.where(done, PAD_ID, nxt)
+        done |= nxt == EOS_ID
+        if bool(done.all()):
+            break
+    return Batch(tokens, k, mask)
+
+
+def completion_log_probs(model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
+    """``model``'s next-token logits along the completions ``[n, L, V]`` (float64) and the
+    sampled tokens' log-probs ``[n, L]`` (the logits at column t - 1 score the token at t)."""
+    logits = model(input_ids=batch.tokens[:, :-1]).logits[:, batch.k - 1 :].double()
+    targets = batch.tokens[:, batch.k :]
+    logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return logits, torch.where(batch.mask, logp, 0.0)
