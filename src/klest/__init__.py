@@ -44,7 +44,9 @@ from klest.logits import kl_from_hidden
 from klest.logits import kl_from_logits
 from klest.logits import kl_from_logits_vocab_parallel
 from klest.logits import skew_kl_from_logits
+from klest.logits import skew_kl_from_hidden
 from klest.logits import tv_from_logits
+from klest.logits import tv_from_hidden
 from klest.logits.topk import TopKDetails
 from klest.logits.topk import TopKEstimator
 from klest.logits.topk import kl_from_topk
@@ -105,6 +107,8 @@ __all__ = [
     "kl_penalty",
     "kl_reward",
     "set_default_validate",
+    "skew_kl_from_hidden",
     "skew_kl_from_logits",
+    "tv_from_hidden",
     "tv_from_logits",
 ]

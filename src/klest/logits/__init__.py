@@ -19,7 +19,9 @@ from klest.logits.from_hidden import kl_from_hidden
 from klest.logits.divergences import jsd_from_logits
 from klest.logits.divergences import jsd_from_hidden
 from klest.logits.divergences import skew_kl_from_logits
+from klest.logits.divergences import skew_kl_from_hidden
 from klest.logits.divergences import tv_from_logits
+from klest.logits.divergences import tv_from_hidden
 from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
 from klest.logits.sampled_log_probs import token_log_probs
 
@@ -32,7 +34,9 @@ __all__ = [
     "kl_from_hidden",
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
+    "skew_kl_from_hidden",
     "skew_kl_from_logits",
     "token_log_probs",
+    "tv_from_hidden",
     "tv_from_logits",
 ]

@@ -11,7 +11,9 @@ temperature :math:`\tau`, :math:`\pi = \mathrm{softmax}(z/\tau)`,
     TV(\pi, ref) = \tfrac12 \textstyle\sum_v |\pi_v - ref_v|,
 
 exactly, over the whole vocabulary, memory-bounded (row chunks, as :func:`klest.kl_from_logits`),
-with gradients to both logits. The row engine is :mod:`klest.logits._divergence_rows` (chunked
+with gradients to both logits; each also has a form fused with the LM heads
+(``*_from_hidden``, as :func:`klest.kl_from_hidden`: from hidden states and head weights, no
+``[N, V]`` logits held, gradients to both models' hidden states, weights and biases). The row engine is :mod:`klest.logits._divergence_rows` (chunked
 PyTorch) or, on CUDA, the Triton kernels of :mod:`klest.logits.kernels.divergence` (forward: the
 log-normalizers by the KL kernel, then one more read for the divergence; backward: one read,
 one write of each gradient); positions, masks, labels and reductions are those of
@@ -238,6 +240,33 @@ def _from_logits(
     outputs = _RowsDivergence.apply(z, y, pos.labels, pos.rows, plan, checks)
     checks.run()
     return finish(outputs, pos)
+
+
+def _from_hidden(
+    div: Divergence,
+    hidden: Tensor,
+    weight: Tensor,
+    hidden_ref: Tensor | None,
+    weight_ref: Tensor | None,
+    **options,
+) -> Tensor | WithDetails[LogitsDetails]:
+    """``div`` fused with the LM heads: :func:`klest.logits.from_hidden.run_hidden` with a
+    :class:`DivergencePlan` (the options are ``_HIDDEN_OPTIONS``)."""
+    want_entropy = options["return_details"]
+
+    def make_plan(inv_tau: float, backend: str, chunk: int) -> DivergencePlan:
+        return DivergencePlan(div, inv_tau, want_entropy, chunk, backend)
+
+    return run_hidden(
+        hidden,
+        weight,
+        hidden_ref,
+        weight_ref,
+        direction="pi||ref",  # the divergence is output 0, where finish() reads KL(pi||ref)
+        make_plan=make_plan,
+        workspace=bytes_per_row,
+        **options,
+    )
 
 
 def jsd_from_logits(
@@ -557,18 +586,161 @@ def jsd_from_hidden(
         return kl_from_hidden(
             hidden, weight, hidden_ref, weight_ref, direction=direction, **options
         )
-    div = jsd_divergence(beta)
+    return _from_hidden(jsd_divergence(beta), hidden, weight, hidden_ref, weight_ref, **options)
 
-    def make_plan(inv_tau: float, backend: str, chunk: int) -> DivergencePlan:
-        return DivergencePlan(div, inv_tau, return_details, chunk, backend)
 
-    return run_hidden(
-        hidden,
-        weight,
-        hidden_ref,
-        weight_ref,
-        direction="pi||ref",
-        make_plan=make_plan,
-        workspace=bytes_per_row,
-        **options,
-    )
+def skew_kl_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    hidden_ref: Tensor | None = None,
+    weight_ref: Tensor | None = None,
+    *,
+    alpha: float,
+    direction: Direction = "pi||ref",
+    logits_ref: Tensor | None = None,
+    bias: Tensor | None = None,
+    bias_ref: Tensor | None = None,
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
+    r"""Exact per-position skew KL between pi = softmax(h W^T / T) and ref, fused with the LM
+    heads (no ``[N, V]`` logits are ever held).
+
+    .. math::
+        KL(\pi_n \,\|\, \alpha\pi_n + (1-\alpha)\, ref_n) \quad\text{or}\quad
+        KL(ref_n \,\|\, \alpha\, ref_n + (1-\alpha)\pi_n)\ (\texttt{direction="ref||pi"}), \\
+        \pi_n = \mathrm{softmax}((W h_n + b)/T), \;
+        ref_n = \mathrm{softmax}((W_{ref} h^{ref}_n + b_{ref})/T),
+
+    equal to :func:`skew_kl_from_logits` on the materialized logits (at :math:`\alpha = 0` it
+    is :func:`klest.kl_from_hidden`), with gradients to ``hidden``, ``weight``, ``bias`` and,
+    when they require grad, to ref's tensors. Chunks of rows make their logits, reduce them and
+    drop them; the backward recomputes them (as :func:`jsd_from_hidden`). No samples: sums over
+    the whole vocabulary.
+
+    See L. Lee, "Measures of Distributional Similarity" (ACL 1999,
+    https://aclanthology.org/P99-1004/) for the skew divergence.
+
+    Args:
+      hidden: pi's final hidden states ``[..., H]`` (already shifted).
+      weight: pi's LM head ``[V, H]``.
+      hidden_ref: ref's hidden states ``[..., H_ref]`` with ``weight_ref`` ``[V, H_ref]``; or
+        give ``logits_ref`` ``[..., V]`` instead.
+      weight_ref: ref's LM head.
+      alpha: the first argument's weight in the mixture, in ``[0, 1)``.
+      direction: ``"pi||ref"`` (pi first) or ``"ref||pi"`` (ref first).
+      logits_ref: ref's logits, instead of ``hidden_ref`` / ``weight_ref``.
+      bias: pi's LM-head bias ``[V]``, if any.
+      bias_ref: ref's LM-head bias ``[V]``, if any.
+      mask: as in :func:`jsd_from_hidden`.
+      reduction: as in :func:`jsd_from_hidden`.
+      temperature: as in :func:`jsd_from_hidden`.
+      labels: as in :func:`jsd_from_hidden`.
+      ignore_index: as in :func:`jsd_from_hidden`.
+      memory_budget: as in :func:`jsd_from_hidden`.
+      chunk_size: as in :func:`jsd_from_hidden`.
+      backend: as in :func:`jsd_from_hidden`.
+      validate: as in :func:`jsd_from_hidden`.
+      return_details: as in :func:`jsd_from_hidden`.
+
+    Returns:
+      As :func:`skew_kl_from_logits`.
+
+    Example:
+      >>> head, ref_head = torch.nn.Linear(8, 50), torch.nn.Linear(8, 50)
+      >>> h, h_ref = torch.randn(2, 6, 8), torch.randn(2, 6, 8)
+      >>> s = skew_kl_from_hidden(h, head.weight, h_ref, ref_head.weight, alpha=0.1,
+      ...                         reduction="none")
+      >>> bool((s <= -math.log(0.1)).all())
+      True
+      >>> s.sum().backward()  # gradients reach h's head (and h, when it requires grad)
+    """
+    check_direction(direction)
+    alpha = check_unit_interval("alpha", alpha, open_low=False, open_high=True)
+    options = _options(locals(), _HIDDEN_OPTIONS)
+    if alpha == 0.0:
+        return kl_from_hidden(
+            hidden, weight, hidden_ref, weight_ref, direction=direction, **options
+        )
+    div = skew_divergence(alpha, direction)
+    return _from_hidden(div, hidden, weight, hidden_ref, weight_ref, **options)
+
+
+def tv_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    hidden_ref: Tensor | None = None,
+    weight_ref: Tensor | None = None,
+    *,
+    logits_ref: Tensor | None = None,
+    bias: Tensor | None = None,
+    bias_ref: Tensor | None = None,
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
+    r"""Exact per-position total variation between pi = softmax(h W^T / T) and ref, fused with
+    the LM heads (no ``[N, V]`` logits are ever held).
+
+    .. math::
+        TV(\pi_n, ref_n) = \tfrac12 \textstyle\sum_v |\pi_{n,v} - ref_{n,v}|, \quad
+        \pi_n = \mathrm{softmax}((W h_n + b)/T), \;
+        ref_n = \mathrm{softmax}((W_{ref} h^{ref}_n + b_{ref})/T),
+
+    equal to :func:`tv_from_logits` on the materialized logits (its subgradient convention at
+    :math:`\pi_v = ref_v` included), with gradients to ``hidden``, ``weight``, ``bias`` and,
+    when they require grad, to ref's tensors; chunked as :func:`jsd_from_hidden`.
+
+    See A. B. Tsybakov, "Introduction to Nonparametric Estimation" (Springer, 2009, Chapter 2)
+    for the total variation distance.
+
+    Args:
+      hidden: pi's final hidden states ``[..., H]`` (already shifted).
+      weight: pi's LM head ``[V, H]``.
+      hidden_ref: ref's hidden states ``[..., H_ref]`` with ``weight_ref`` ``[V, H_ref]``; or
+        give ``logits_ref`` ``[..., V]`` instead.
+      weight_ref: ref's LM head.
+      logits_ref: ref's logits, instead of ``hidden_ref`` / ``weight_ref``.
+      bias: pi's LM-head bias ``[V]``, if any.
+      bias_ref: ref's LM-head bias ``[V]``, if any.
+      mask: as in :func:`jsd_from_hidden`.
+      reduction: as in :func:`jsd_from_hidden`.
+      temperature: as in :func:`jsd_from_hidden`.
+      labels: as in :func:`jsd_from_hidden`.
+      ignore_index: as in :func:`jsd_from_hidden`.
+      memory_budget: as in :func:`jsd_from_hidden`.
+      chunk_size: as in :func:`jsd_from_hidden`.
+      backend: as in :func:`jsd_from_hidden`.
+      validate: as in :func:`jsd_from_hidden`.
+      return_details: as in :func:`jsd_from_hidden`.
+
+    Returns:
+      As :func:`tv_from_logits`.
+
+    Example:
+      >>> head = torch.nn.Linear(8, 50)
+      >>> h = torch.randn(2, 6, 8, requires_grad=True); y = torch.randn(2, 6, 50)
+      >>> tv = tv_from_hidden(h, head.weight, logits_ref=y, bias=head.bias, reduction="none")
+      >>> bool(((tv >= 0) & (tv <= 1)).all())
+      True
+      >>> tv.sum().backward()
+      >>> h.grad.shape
+      torch.Size([2, 6, 8])
+    """
+    options = _options(locals(), _HIDDEN_OPTIONS)
+    return _from_hidden(TV, hidden, weight, hidden_ref, weight_ref, **options)
