@@ -123,7 +123,13 @@ def test_pitfalls(tmp_path):
     for regime in ("low KL", "high KL"):
         est = a[regime]["estimators"]
         assert est["k1/autodiff"]["8"][0]["verdict"] == "mean gradient zero"
-        for e in ("k3/cumulative", "k3/cumulative+loo", "k3/cumulative+loo-fitted", "rb/rb"):
+        for e in (
+            "k3/cumulative",
+            "k3/cumulative+loo",
+            "k3/cumulative+loo-fitted",
+            "k3/cumulative+loo-ema",
+            "rb/rb",
+        ):
             assert est[e]["8"][0]["verdict"] == "descends KL(pi||ref)", (regime, e)
         assert est["k3/score"]["8"][0]["verdict"] == "descends KL(pi||ref)", regime
         for e in ("k3/autodiff", "k3/token"):

@@ -57,6 +57,7 @@ from klest.penalty import PenaltyDetails
 from klest.penalty import kl_penalty
 from klest.rewards import kl_reward
 from klest.surrogates import BaselineEMA
+from klest.adaptive import LooScaleEMA
 from klest.surrogates import decouple
 import klest.nn  # noqa: F401 (the submodule is public: klest.nn.KLPenalty, ...)
 
@@ -79,6 +80,7 @@ __all__ = [
     "KLGradientWarning",
     "Level",
     "LogitsDetails",
+    "LooScaleEMA",
     "PenaltyDetails",
     "Reduction",
     "TopKDetails",

@@ -61,8 +61,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from klest._checks import check_decay, check_flag
 from klest.control_variates import _position_in_group
-from klest.surrogates import group_baseline
+from klest.sequence import align_left, first_token, unalign
+from klest.surrogates import Float64EMAState, group_baseline
 
 # Relative size below which a sum of squares is rounding noise (float64 sums).
 _TINY = 1e-12
@@ -185,3 +187,103 @@ def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor) -> Tensor:
     ok = q > _TINY * q.abs().max().clamp(min=1e-300)
     lam = torch.where(ok, p / torch.where(ok, q, 1.0), 0.0).clamp(0.0, 1.0)
     return lam.to(targets.dtype).unsqueeze(-1)
+
+
+class LooScaleEMA(Float64EMAState):
+    r"""The leave-one-out baseline times a scale fitted on *earlier* batches, per position.
+
+    .. math::
+        b^{(k)}_{it} = \lambda^{(k)}_t B_{it}, \qquad
+        \lambda^{(k)}_t = \mathrm{clip}_{[0, 1]}\Big(
+        \frac{\sum_{j<k} \gamma^{k-1-j} \sum_i A^{(j)}_{it} B^{(j)}_{it}}
+             {\sum_{j<k} \gamma^{k-1-j} \sum_i (B^{(j)}_{it})^2}\Big)
+
+    with :math:`A_{it}` the score-function target of row i at the t-th token of its completion
+    (samples from pi, or the unweighted targets off-policy), :math:`B_{it}` the mean of the
+    *other* rows of its group valid there (``"loo"``), and the sums over the rows that have such
+    a mate. The scale of batch k uses batches before k only, so it is independent of the
+    current samples and the gradient stays unbiased (as for :class:`klest.BaselineEMA`); the
+    batch is folded in after. Before any batch (or at a position never seen) the scale is 0: no
+    baseline.
+
+    Against ``baseline="loo-fitted"`` (the same regression cross-fitted on half of the current
+    batch, :func:`baseline_scale`): the regression here uses the full leave-one-out mean (the
+    one that is subtracted), pools many batches, so its own noise vanishes, and is fitted per
+    position (``per_position=True``), where the mean of the returns-to-go against their noise,
+    and so the best scale, changes along the sequence. What it estimates is
+    :math:`E[AB]/E[B^2] = \mu_t^2 / (\mu_t^2 + \sigma_t^2/m)` for i.i.d. rows
+    (m others), the variance-optimal scale when the score's norm is uncorrelated with the target.
+
+    Buffers as :class:`klest.BaselineEMA`'s (float64, saved in ``state_dict``, moved by
+    ``.to()``); in ``eval()`` mode the scales are used, not updated. Pass it as
+    ``kl_penalty(..., baseline=LooScaleEMA())`` for ``score``, ``cumulative`` and ``rb``
+    (KL(pi||ref)), with ``group`` ids as for ``"loo"``.
+
+    See "On a few pitfalls in KL divergence gradient estimation for RL" by Yunhao Tang and
+    Rémi Munos (2025, https://arxiv.org/abs/2506.09477) for leave-one-out baselines in KL
+    gradients.
+
+    Args:
+      decay: :math:`\gamma`, the weight of the past, in [0, 1).
+      per_position: one scale per position (counted from each completion's first valid
+        token); False pools the positions into one scale.
+
+    Example:
+      >>> fit = LooScaleEMA(decay=0.5)
+      >>> valid, keys = torch.ones(4, 1, dtype=torch.bool), torch.zeros(4, dtype=torch.int64)
+      >>> fit(torch.tensor([[5.0], [5.2], [4.8], [5.0]]), valid, keys).flatten()  # no history
+      tensor([0., 0., 0., 0.])
+      >>> b = fit(torch.tensor([[5.0], [5.0], [5.0], [5.0]]), valid, keys)
+      >>> b.flatten()  # the scale fitted on the first batch (0.9996) times the leave-one-out
+      tensor([4.9982, 4.9982, 4.9982, 4.9982])
+    """
+
+    BUFFERS = ("cross", "square")
+    cross: Tensor
+    square: Tensor
+
+    def __init__(self, *, decay: float = 0.95, per_position: bool = True) -> None:
+        super().__init__()
+        self.decay = check_decay(decay)
+        check_flag("per_position", per_position)
+        self.per_position = per_position
+
+    def scales(self, t: int, device: torch.device | None = None) -> Tensor:
+        """The current scales of the first ``t`` positions (one, repeated, when pooled),
+        float64 ``[t]`` on ``device`` (default: the buffers')."""
+        device = self.cross.device if device is None else device
+        cross, square = self._grow(t if self.per_position else 1, device)
+        ok = square > _TINY * square.abs().max().clamp(min=1e-300)
+        lam = torch.where(ok, cross / torch.where(ok, square, 1.0), 0.0).clamp(0.0, 1.0)
+        return lam if self.per_position else lam.expand(t)
+
+    def forward(self, targets: Tensor, valid: Tensor, keys: Tensor) -> Tensor:
+        """The baseline for ``targets`` (``[rows, T]``, detached; ``valid`` bool; ``keys``
+        group keys ``[rows]``), then the update with this batch."""
+        x = torch.where(valid, targets.detach().double(), 0.0)
+        loo = group_baseline(x, valid, "loo", keys)
+        has_mate = valid & (group_baseline(valid.double(), valid, "loo", keys) > 0)
+        first = first_token(valid)
+        if x.shape[-1] > 1:  # the t-th token of every completion in column t
+            (x, _), (loo, has_mate) = align_left(x, valid, first), align_left(loo, has_mate, first)
+        lam = self.scales(x.shape[-1], targets.device)
+        baseline = lam * loo
+        if x.shape[-1] > 1:
+            baseline = unalign(baseline, first)
+        if self.training:
+            self._update(torch.where(has_mate, x * loo, 0.0), torch.where(has_mate, loo * loo, 0.0))
+        return baseline.to(targets.dtype)
+
+    @torch.no_grad()
+    def _update(self, cross_rows: Tensor, square_rows: Tensor) -> None:
+        batch_cross, batch_square = cross_rows.sum(0), square_rows.sum(0)
+        if not self.per_position:
+            batch_cross, batch_square = batch_cross.sum(0, True), batch_square.sum(0, True)
+        cross, square = self._grow(batch_cross.numel(), batch_cross.device)
+        seen = batch_square > 0
+        g = self.decay
+        cross.copy_(torch.where(seen, g * cross + (1 - g) * batch_cross, cross))
+        square.copy_(torch.where(seen, g * square + (1 - g) * batch_square, square))
+
+    def extra_repr(self) -> str:
+        return f"decay={self.decay}, per_position={self.per_position}"

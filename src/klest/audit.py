@@ -31,6 +31,7 @@ from torch import Tensor
 from klest._checks import check_choice, check_direction
 from klest._progress import progress_bar
 from klest._types import AlphaFit, Baseline, Estimator
+from klest.adaptive import LooScaleEMA
 from klest.control_variates import AlphaEMA
 from klest.estimators import kl_estimate, per_token_values
 from klest.penalty import (
@@ -294,8 +295,9 @@ class GradSpec:
     """A value/gradient pair for :func:`klest.kl_penalty`: ``"k3/cumulative+loo"``, ``"rb/rb"``.
 
     Syntax: ``VALUE/GRAD[+BASELINE]`` where VALUE is a value estimator (``cv:0.5`` allowed),
-    GRAD a gradient estimator and BASELINE ``loo``, ``mean``, ``loo-fitted``, ``ema``,
-    ``exact-kl`` or ``exact-kl+loo`` (``"k3/cumulative+exact-kl+loo"``).
+    GRAD a gradient estimator and BASELINE ``loo``, ``mean``, ``loo-fitted``, ``ema`` (a
+    :class:`~klest.BaselineEMA`), ``loo-ema`` (a :class:`~klest.LooScaleEMA`), ``exact-kl`` or
+    ``exact-kl+loo`` (``"k3/cumulative+exact-kl+loo"``); an EMA lives as long as the built loss.
     """
 
     value: str
@@ -316,7 +318,7 @@ class GradSpec:
         grad, _, baseline = grad_part.partition("+")
         check_choice("grad", grad, tuple(GRADIENT_ESTIMATORS))
         if baseline:
-            check_choice("baseline", baseline, (*get_args(Baseline), "ema"))
+            check_choice("baseline", baseline, (*get_args(Baseline), "ema", "loo-ema"))
         return cls(value, grad, baseline or None, alpha)
 
     def label(self) -> str:
@@ -325,7 +327,11 @@ class GradSpec:
 
     def build(self, direction: str) -> Callable[[Sample], Tensor]:
         """A function from a batch to the scalar loss whose gradient is audited."""
-        baseline: object = BaselineEMA() if self.baseline == "ema" else self.baseline
+        baseline: object = self.baseline
+        if self.baseline == "ema":
+            baseline = BaselineEMA()
+        elif self.baseline == "loo-ema":  # one state per built loss: it learns over batches
+            baseline = LooScaleEMA()
         alpha: object = AlphaEMA() if self.alpha == "ema" else self.alpha
 
         uses_logits = "rb" in (self.value, self.grad) or self.baseline in EXACT_KL_BASELINES
@@ -668,6 +674,8 @@ GRAD_AUDIT_BOTH = (
     "k3/cumulative+ema",
     "k3/score+loo-fitted",
     "k3/cumulative+loo-fitted",
+    "k3/score+loo-ema",
+    "k3/cumulative+loo-ema",
     "rb/rb",
 )
 GRAD_AUDIT_ONLY = {
@@ -675,6 +683,7 @@ GRAD_AUDIT_ONLY = {
         "k2/autodiff",
         "rb/rb+loo",
         "rb/rb+loo-fitted",
+        "rb/rb+loo-ema",
         "rb/autodiff",
         "k3/cumulative+exact-kl",
         "k3/token+exact-kl",

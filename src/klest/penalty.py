@@ -98,7 +98,7 @@ from klest._types import (
     Level,
     Reduction,
 )
-from klest.adaptive import baseline_scale, mix_coefficient
+from klest.adaptive import LooScaleEMA, baseline_scale, mix_coefficient
 from klest.aggregation import KLDiagnostics, WithDetails, as_rows, group_keys
 from klest.estimators import (
     Alpha,
@@ -158,7 +158,7 @@ class SurrogateInputs:
     logp_rows: Tensor  # log pi of each valid token, with graph; 0 where masked
     direction: str
     value: Estimate
-    baseline: Baseline | BaselineEMA | None
+    baseline: Baseline | BaselineEMA | LooScaleEMA | None
     keys: Tensor | None
     kls: Tensor | None
     stl_delta: Tensor | None
@@ -200,6 +200,8 @@ class SurrogateInputs:
             keys = self.keys
             if keys is None:
                 keys = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
+            if isinstance(self.baseline, LooScaleEMA):
+                return self.baseline(targets, valid, keys)
             if self.baseline == "loo-fitted":
                 scale = baseline_scale(targets, valid, keys)
                 return scale * group_baseline(targets, valid, "loo", keys)
@@ -440,7 +442,7 @@ def _check_rules(
         raise ValueError("grad='stl' needs logp_stl: log pi(x) with pi's parameters stopped")
     if baseline is None:
         return
-    if not isinstance(baseline, BaselineEMA):
+    if not isinstance(baseline, BaselineEMA | LooScaleEMA):
         check_choice("baseline", baseline, Baseline)
         if baseline in EXACT_KL_BASELINES:
             _check_exact_kl_baseline(est.name, direction, baseline)
@@ -497,7 +499,7 @@ def kl_penalty(
     direction: Direction = "pi||ref",
     mask: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-    baseline: Baseline | BaselineEMA | None = None,
+    baseline: Baseline | BaselineEMA | LooScaleEMA | None = None,
     group: Tensor | None = None,
     reparameterized: bool = False,
     level: Level = "token",
@@ -543,7 +545,8 @@ def kl_penalty(
         sequence) or ``"none"`` (one loss per token, ``[..., T]``, summing to the per-sequence
         losses in value and gradient).
       baseline: ``"loo"``, ``"mean"``, ``"loo-fitted"`` (leave-one-out times a cross-fitted
-        scale in [0, 1]: :mod:`klest.adaptive`) or a :class:`~klest.BaselineEMA`, for
+        scale in [0, 1]: :mod:`klest.adaptive`), a :class:`~klest.LooScaleEMA` (leave-one-out
+        times a per-position scale fitted on earlier batches) or a :class:`~klest.BaselineEMA`, for
         ``score``, ``cumulative`` and ``rb``; ``"exact-kl"`` (vOPD: each token's exact
         per-position KL, from ``logits``/``logits_ref`` or ``position_kls``) or
         ``"exact-kl+loo"`` (plus the leave-one-out mean of the residuals), for ``cumulative``

@@ -92,7 +92,48 @@ def join(value: Tensor, surrogate: Tensor) -> Tensor:
     return value.detach() + (surrogate - surrogate.detach())
 
 
-class BaselineEMA(nn.Module):
+class Float64EMAState(nn.Module):
+    """Float64 buffers ``[T]`` (named by ``BUFFERS``) that grow with the longest sequence seen,
+    follow ``.to(device)`` but stay float64 when a model is cast to bf16 / fp16, and are saved
+    in ``state_dict`` (a resumed run keeps them): the state of the moving averages here and in
+    :mod:`klest.adaptive`."""
+
+    BUFFERS: tuple[str, ...] = ()
+
+    def __init__(self) -> None:
+        super().__init__()
+        for name in self.BUFFERS:
+            self.register_buffer(name, torch.zeros(0, dtype=torch.float64))
+
+    def _grow(self, t: int, device: torch.device) -> tuple[Tensor, ...]:
+        """The buffers' first ``t`` entries (views), after growing them to ``t`` on ``device``."""
+        first = getattr(self, self.BUFFERS[0])
+        if first.device != device:
+            self.to(device)
+        for name in self.BUFFERS:
+            buf = getattr(self, name)
+            if buf.numel() < t:
+                pad = torch.zeros(t - buf.numel(), dtype=torch.float64, device=device)
+                setattr(self, name, torch.cat([buf, pad]))
+        return tuple(getattr(self, name)[:t] for name in self.BUFFERS)
+
+    def _apply(self, fn, recurse=True):
+        # Follow .to(device), but keep float64 state when a model is cast to bf16 / fp16.
+        super()._apply(fn, recurse)
+        for name in self.BUFFERS:
+            setattr(self, name, getattr(self, name).double())
+        return self
+
+    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args) -> None:
+        # The buffers grow with the longest sequence seen; take the saved length.
+        for name in self.BUFFERS:
+            saved = state_dict.get(prefix + name)
+            if isinstance(saved, Tensor):
+                setattr(self, name, torch.zeros_like(saved, device=getattr(self, name).device))
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
+
+class BaselineEMA(Float64EMAState):
     r"""A baseline from an exponential moving average of earlier batches' targets.
 
     .. math:: b_t^{(k)} = \frac{\sum_{j<k} \gamma^{k-1-j} (1-\gamma)\, \bar A_t^{(j)}}
@@ -125,20 +166,17 @@ class BaselineEMA(nn.Module):
               [2.]])
     """
 
+    BUFFERS = ("sums", "weights")
     sums: Tensor
     weights: Tensor
 
     def __init__(self, *, decay: float = 0.9) -> None:
         super().__init__()
         self.decay = check_decay(decay)
-        self.register_buffer("sums", torch.zeros(0, dtype=torch.float64))
-        self.register_buffer("weights", torch.zeros(0, dtype=torch.float64))
 
     def forward(self, targets: Tensor, valid: Tensor) -> Tensor:
         """The baseline for ``targets`` (``[rows, T]``, detached; ``valid`` bool), then update."""
-        t = targets.shape[-1]
-        self._grow(t, targets.device)
-        sums, weights = self.sums[:t], self.weights[:t]
+        sums, weights = self._grow(targets.shape[-1], targets.device)
         mean = torch.where(weights > 0, sums / weights.clamp(min=1e-300), 0.0)
         baseline = mean.to(targets.dtype).expand_as(targets).clone()
         if not self.training:  # eval(): use the averages, do not update them
@@ -152,28 +190,6 @@ class BaselineEMA(nn.Module):
             sums.copy_(torch.where(seen, g * sums + (1 - g) * batch_mean, sums))
             weights.copy_(torch.where(seen, g * weights + (1 - g), weights))
         return baseline
-
-    def _grow(self, t: int, device: torch.device) -> None:
-        if self.sums.device != device:
-            self.to(device)
-        if self.sums.numel() < t:
-            pad = torch.zeros(t - self.sums.numel(), dtype=torch.float64, device=device)
-            self.sums = torch.cat([self.sums, pad])
-            self.weights = torch.cat([self.weights, pad])
-
-    def _apply(self, fn, recurse=True):
-        # Follow .to(device), but keep float64 sums when a model is cast to bf16 / fp16.
-        super()._apply(fn, recurse)
-        self.sums, self.weights = self.sums.double(), self.weights.double()
-        return self
-
-    def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args) -> None:
-        # The buffers grow with the longest sequence seen; take the saved length.
-        for name in ("sums", "weights"):
-            saved = state_dict.get(prefix + name)
-            if isinstance(saved, Tensor):
-                setattr(self, name, torch.zeros_like(saved, device=getattr(self, name).device))
-        super()._load_from_state_dict(state_dict, prefix, *args)
 
     def extra_repr(self) -> str:
         return f"decay={self.decay}"

@@ -4,9 +4,11 @@ r"""Gradient pitfalls of KL estimators on tabular autoregressive policies.
 (2025, https://arxiv.org/abs/2506.09477) claims: autodiff of k1 has mean-zero gradient; autodiff
 of the variance-reduced k3 descends the other KL; token-level losses miss the effect of early
 tokens on later ones; the sequence-level ("cumulative") gradient with leave-one-out baselines is
-right. ``+loo-fitted`` rows: the leave-one-out baseline times a cross-fitted scale
-(:mod:`klest.adaptive`), which should never do worse than no baseline or the full one. On random
-tabular policies with
+right. ``+loo-fitted`` rows: the leave-one-out baseline times a scale cross-fitted on half of
+the batch; ``+loo-ema`` rows: times a per-position scale fitted on earlier batches
+(:class:`klest.LooScaleEMA`, one state per estimator, carried over the trials of part A and the
+steps of B and C); both in :mod:`klest.adaptive`, both meant never to do worse than no baseline
+or the full one. On random tabular policies with
 exact gradients (V = 3, T = 4, every sequence enumerable), three parts:
 
 A. bias and MSE of each gradient estimator against the exact gradient of KL(pi||ref), as a
@@ -44,6 +46,7 @@ ESTIMATORS = (
     "k3/cumulative",
     "k3/cumulative+loo",
     "k3/cumulative+loo-fitted",
+    "k3/cumulative+loo-ema",
     "rb/rb",
     "rb/rb+loo",
     "k3/cumulative+exact-kl",
@@ -56,6 +59,7 @@ TRAINERS = (
     "k3/cumulative",
     "k3/cumulative+loo",
     "k3/cumulative+loo-fitted",
+    "k3/cumulative+loo-ema",
     "rb/rb",
     "k3/cumulative+exact-kl",
 )
