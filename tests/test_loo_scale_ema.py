@@ -129,7 +129,7 @@ def test_kl_penalty_uses_it_as_a_baseline():
     keys = [0, 0, 0, 1, 1, 1]
     fit = LooScaleEMA(decay=0.6)
     targets_seen = []
-    for step in range(2):
+    for _ in range(2):
         logp = (-torch.rand(6, 4, generator=g, dtype=torch.float64)).requires_grad_(True)
         logp_ref = -torch.rand(6, 4, generator=g, dtype=torch.float64)
         mask = torch.arange(4) < torch.tensor([4, 3, 4, 2, 4, 1]).unsqueeze(-1)
