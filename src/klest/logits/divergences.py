@@ -14,9 +14,9 @@ exactly, over the whole vocabulary, memory-bounded (row chunks, as :func:`klest.
 with gradients to both logits; each also has a form fused with the LM heads
 (``*_from_hidden``, as :func:`klest.kl_from_hidden`: from hidden states and head weights, no
 ``[N, V]`` logits held, gradients to both models' hidden states, weights and biases). The row
-engine is :mod:`klest.logits._divergence_rows` (chunked PyTorch) or, on CUDA, the Triton kernels of :mod:`klest.logits.kernels.divergence` (forward: the
-log-normalizers by the KL kernel, then one more read for the divergence; backward: one read,
-one write of each gradient); positions, masks, labels and reductions are those of
+engine is :mod:`klest.logits._divergence_rows` (chunked PyTorch) or, on CUDA, the Triton
+kernels of :mod:`klest.logits.kernels.divergence` (forward: the log-normalizers by the KL
+kernel, then one more read for the divergence; backward: one read, one write of each gradient); positions, masks, labels and reductions are those of
 :mod:`klest.logits._call`.
 
 The JSD's ``beta`` is TRL's (``generalized_jsd_loss`` of its GKD / distillation trainers) and
