@@ -16,8 +16,8 @@ with gradients to both logits; each also has a form fused with the LM heads
 ``[N, V]`` logits held, gradients to both models' hidden states, weights and biases). The row
 engine is :mod:`klest.logits._divergence_rows` (chunked PyTorch) or, on CUDA, the Triton
 kernels of :mod:`klest.logits.kernels.divergence` (forward: the log-normalizers by the KL
-kernel, then one more read for the divergence; backward: one read, one write of each gradient); positions, masks, labels and reductions are those of
-:mod:`klest.logits._call`.
+kernel, then one more read for the divergence; backward: one read, one write of each gradient);
+positions, masks, labels and reductions are those of :mod:`klest.logits._call`.
 
 The JSD's ``beta`` is TRL's (``generalized_jsd_loss`` of its GKD / distillation trainers) and
 Liger-Kernel's (``LigerJSD``, ``LigerFusedLinearJSD``): both define
