@@ -258,3 +258,33 @@ def test_grad_spec_parses_exact_kl_baselines():
         GradSpec.parse("k3/cumulative+exact")
     s = make("tabular").sample(4, generator=make_generator(3))
     assert torch.isfinite(spec.build("pi||ref")(s))  # the audit passes the logits
+
+
+def test_exact_position_gradient_is_the_conditional_mean_of_vopd_estimator():
+    """Why the distillation trainer takes no exact-KL baseline: at one position, the gradient
+    of the exact KL(pi_t||ref_t) w.r.t. pi's logits equals the expectation over the token
+    y_t ~ pi_t of vOPD's per-token estimator s_t (rho_t - KL_t) (``grad="token",
+    baseline="exact-kl"``), enumerated over the vocabulary: the exact form is its
+    Rao-Blackwellization, so it has no more variance. Exact identity, float64."""
+    g = torch.Generator().manual_seed(7)
+    v = 6
+    z = torch.randn(v, generator=g, dtype=torch.float64).requires_grad_(True)
+    y = torch.randn(v, generator=g, dtype=torch.float64)
+    (exact,) = torch.autograd.grad(_kl_reference(z, y), z)
+    logits_ref = y.expand(1, 1, v)
+    expected = torch.zeros_like(z)
+    for token in range(v):
+        lp = torch.log_softmax(z, -1)
+        logp = lp[token].reshape(1, 1)
+        logp_ref = torch.log_softmax(y, -1)[token].reshape(1, 1)
+        loss = klest.kl_penalty(
+            logp,
+            logp_ref,
+            grad="token",
+            baseline="exact-kl",
+            logits=z.detach().expand(1, 1, v),
+            logits_ref=logits_ref,
+        )
+        (grad_z,) = torch.autograd.grad(loss, z)
+        expected += lp[token].exp().detach() * grad_z
+    torch.testing.assert_close(expected, exact, rtol=1e-12, atol=1e-14)

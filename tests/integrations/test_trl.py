@@ -419,6 +419,12 @@ def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
         KLTerm(grad="token", baseline="loo")
     with pytest.raises(ValueError, match="reduction"):
         KLTerm(reduction="none")
+    for exact in ("exact-kl", "exact-kl+loo"):
+        # GRPO / RLOO hold the reference's sampled-token log-probs only, not its logits
+        with pytest.raises(ValueError, match=r"needs the reference's logits.*sampled tokens"):
+            KLTerm(baseline=exact)
+        with pytest.raises(ValueError, match="conditional expectation of vOPD"):
+            _distillation_trainer(tiny_lm, tmp_path, beta=1.0, sequence_level=True, baseline=exact)
     with pytest.raises(TypeError, match="KLTerm"):
         GRPOTrainer(
             model=tiny_lm,

@@ -51,7 +51,7 @@ from klest._types import Baseline, Direction, Estimator, Grad, Reduction
 from klest.aggregation import WithDetails
 from klest.integrations.hf import group_ids_from_prompts
 from klest.logits import jsd_from_hidden
-from klest.penalty import GRADIENT_ESTIMATORS, PenaltyDetails, kl_penalty
+from klest.penalty import EXACT_KL_BASELINES, GRADIENT_ESTIMATORS, PenaltyDetails, kl_penalty
 
 __all__ = ["DistillationTrainer", "GRPOTrainer", "KLTerm", "RLOOTrainer"]
 
@@ -65,6 +65,17 @@ def _check_trl_version() -> None:
             f"klest.integrations.trl supports TRL {SUPPORTED_TRL[0]}.{SUPPORTED_TRL[1]}.x (it "
             f"overrides the trainers' loss internals); found trl {trl.__version__}"
         )
+
+
+_EXACT_KL_BASELINE_REFUSED = (
+    "baseline={baseline!r} (vOPD's exact-KL baseline) needs the reference's logits at every "
+    "position; {trainer} has only the reference's log-probs of the sampled tokens. The "
+    "DistillationTrainer has both models' hidden states, and its loss already takes the exact "
+    "per-position KL's gradient, which is the conditional expectation of vOPD's estimator "
+    "(lower variance); for the sequence-level term use DistillationTrainer(sequence_level=True,"
+    " baseline='loo')"
+)
+"""Why the exact-KL baselines are refused here (see the integration's docs)."""
 
 
 @dataclass(frozen=True)
@@ -87,7 +98,9 @@ class KLTerm:
         TRL's own with ``"k3"`` and ``use_bias_correction_kl=False``); the last two are kept
         for comparison and warn.
       baseline: ``"loo"`` (default: over the samples of the same prompt in the micro-batch),
-        ``"mean"`` or None.
+        ``"mean"`` or None. The exact-KL baselines (``"exact-kl"``, vOPD's) are refused with
+        the reason: TRL's GRPO and RLOO losses hold the reference's log-probs of the sampled
+        tokens only, not its logits.
       direction: ``"pi||ref"`` (the RLHF penalty) or ``"ref||pi"``.
       reduction: how the per-token terms become the loss, by :func:`klest.aggregate`'s rule.
         The default ``"seq-mean-token-sum"`` is the sequence KL, so ``beta`` weighs nats per
@@ -110,6 +123,12 @@ class KLTerm:
         check_choice("estimator", self.estimator, ("k1", "k2", "k3", "abs"))
         check_choice("grad", self.grad, ("cumulative", "score", "token", "autodiff"))
         if self.baseline is not None:
+            if self.baseline in EXACT_KL_BASELINES:
+                raise ValueError(
+                    _EXACT_KL_BASELINE_REFUSED.format(
+                        baseline=self.baseline, trainer="TRL's GRPO / RLOO loss"
+                    )
+                )
             check_choice("baseline", self.baseline, ("loo", "mean"))
             if self.grad not in ("cumulative", "score"):
                 raise ValueError(
@@ -345,6 +364,13 @@ class DistillationTrainer(trl.DistillationTrainer):
         if sequence_level and self.beta != 1.0:
             raise ValueError("sequence_level=True is for KL(student||teacher): set beta=1.0")
         if baseline is not None:
+            if baseline in EXACT_KL_BASELINES:
+                raise ValueError(
+                    f"baseline={baseline!r} (vOPD's exact-KL baseline) does not apply: the "
+                    "per-token loss already takes the exact per-position KL's gradient (the "
+                    "conditional expectation of vOPD's estimator), and the sequence-level term's "
+                    "targets are exact future KLs; use baseline='loo' with sequence_level=True"
+                )
             check_choice("baseline", baseline, ("loo", "mean"))
             if not sequence_level:
                 raise ValueError("baseline applies only with sequence_level=True")
