@@ -553,7 +553,10 @@ def kl_penalty(
         and ``token`` with ``direction="pi||ref"`` (see the module docstring). The exact KLs
         enter detached, and
         any function of the prefix keeps the gradient unbiased: ``position_kls`` may be an
-        approximation (top-k, say).
+        approximation (top-k's ``"tail-bucket"``, say; not a sampled estimate such as top-k's
+        ``"unbiased"``, which depends on the token itself). With ``grad="rb"``, sampled
+        per-position estimates with their graph (top-k's ``"unbiased"`` / ``"unbiased-cv"``,
+        ``reduction="none"``) give an unbiased gradient of the sequence KL.
       group: integer ids ``logp.shape[:-1]``: samples of the same prompt (baselines and fitted
         alphas are computed within a group; a group of one gets leave-one-out baseline 0).
       reparameterized: the samples are x = g(theta, eps) and ``logp`` / ``logp_ref`` carry the
