@@ -12,7 +12,7 @@ Statistics (``tests/_stats.py``): the mean gradient against the enumerated exact
 tabular policy (V = 4, T = 3, top-2 of the teacher: a two-token tail) by
 :func:`klest.audit.mean_shift_z`, one-sided Bonferroni at RATE over the 2 unbiased estimators;
 the power check (kl_from_topk alone, prefixes held fixed, is biased for the sequence KL) is
-required to exceed the same threshold, at a statistic measured at 23 (1000 batches of 8, seed fixed).
+required to exceed the same threshold; measured: 23 (1000 batches of 8, fixed seed).
 """
 
 from __future__ import annotations
