@@ -18,6 +18,7 @@ and gives the first one; only then are more synchronisations spent on the messag
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, get_args
 
@@ -69,33 +70,49 @@ def resolve_validate(validate: bool | None) -> bool:
     return validate
 
 
+_WARNED_ONCE: set[str] = set()
+"""The keys of the once-per-process warnings already given (:meth:`ValueChecks.warn_once`)."""
+
+
 class ValueChecks:
     """Value checks collected during a call and read back with one host synchronisation.
 
     ``add(flags, message)`` registers a boolean tensor that must be all False and a function
     that builds the error message from it; :meth:`run` reads every ``flags.any()`` at once and
-    raises for the first failed check, in the order they were added. When disabled, ``add``
-    records nothing and ``run`` does nothing.
+    raises for the first failed check, in the order they were added. ``warn_once(key, flags,
+    message)`` registers a warning read in the same synchronisation, given (when no check
+    failed) once per process per ``key``; once given, it is not registered again. When
+    disabled, ``add`` and ``warn_once`` record nothing and ``run`` does nothing.
     """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._items: list[tuple[Tensor, Callable[[Tensor], str]]] = []
+        self._items: list[tuple[Tensor, Callable[[Tensor], str], str | None]] = []
 
     def add(self, flags: Tensor, message: Callable[[Tensor], str]) -> None:
         if self.enabled:
-            self._items.append((flags.detach(), message))
+            self._items.append((flags.detach(), message, None))
 
-    def run(self) -> None:
+    def warn_once(self, key: str, flags: Tensor, message: Callable[[Tensor], str]) -> None:
+        if self.enabled and key not in _WARNED_ONCE:
+            self._items.append((flags.detach(), message, key))
+
+    def run(self, *, stacklevel: int = 3) -> None:
         if not self._items:
             return
         device = self._items[0][0].device
         with torch.no_grad():
-            anys = torch.stack([f.any().to(device) for f, _ in self._items]).tolist()
+            anys = torch.stack([f.any().to(device) for f, _, _ in self._items]).tolist()
         items, self._items = self._items, []
-        for failed, (flags, message) in zip(anys, items, strict=True):
-            if failed:
+        warned = []
+        for failed, (flags, message, key) in zip(anys, items, strict=True):
+            if failed and key is None:
                 raise ValueError(message(flags))
+            if failed and key not in _WARNED_ONCE:
+                warned.append((key, message(flags)))
+        for key, text in warned:
+            _WARNED_ONCE.add(key)
+            warnings.warn(text, UserWarning, stacklevel=stacklevel)
 
 
 def first_bad(flags: Tensor) -> str:
