@@ -18,6 +18,8 @@ changing its expected gradient when :math:`b` does not depend on the sample it m
 - ``"loo-fitted"``: the leave-one-out baseline times a scale in [0, 1] cross-fitted on the
   other half of the batch (:mod:`klest.adaptive`; unbiased), so a baseline never costs much;
 - :class:`BaselineEMA`: a moving average of earlier batches (unbiased);
+- :class:`klest.LooScaleEMA`: the leave-one-out baseline times a per-position scale fitted on
+  earlier batches (:mod:`klest.adaptive`; unbiased);
 - ``"exact-kl"``: at each position t of a sequence, the exact
   :math:`KL_t(y_{<t}) = KL(\pi(\cdot|y_{<t})\|ref(\cdot|y_{<t})) = E[\rho_t|y_{<t}]` from the
   logits (it depends on the prefix only, so it is unbiased); ``"exact-kl+loo"`` adds the
