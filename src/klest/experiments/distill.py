@@ -35,15 +35,16 @@ from both models' logits:
 
 Models (:mod:`klest.experiments.small_lms`, cached under ``runs/_models``): the teacher is the
 TEACHER GPT-2 (96 wide, 3 layers) trained on ENTHUSIAST reviews; the student is the STUDENT
-GPT-2 (32 wide, 2 layers), from two starts: *high KL*, pre-trained on NEUTRAL reviews (several
-nats from the teacher), and *low KL*, pre-trained briefly on ENTHUSIAST. Prompts are the
-teacher-style reviews' first two words after ``<bos>``; each step samples P prompts and K
-completions per prompt from the current student (temperature 1, up to 23 tokens), and takes one
-Adam step (lr 1e-3 for every method, the one that gave the lowest-variance method,
-``exact-token-kl``, a steady descent without instability in a pilot; the pre-training lr 3e-3
-made it oscillate; Adam's per-coordinate scaling keeps one lr comparable across estimators of
-different variance). All methods start from the same student and draw the step's prompts and
-samples from the same seeded generators.
+GPT-2 (32 wide, 2 layers), from two starts: *high KL*, pre-trained on NEUTRAL reviews (about 4
+nats of KL(pi||ref) from the teacher), and *low KL*, that student fine-tuned for 40 steps on
+ENTHUSIAST (about 0.4 nats). Prompts are the teacher-style reviews' first two words after
+``<bos>``; each step samples P prompts and K completions per prompt from the current student
+(temperature 1, up to 23 tokens), and takes one Adam step with the same learning rate for every
+method: 1e-3, a third of the pre-training rate, fixed before the runs and not tuned per method
+(Adam's per-coordinate scaling keeps the step size comparable across estimators of different
+variance; a noisier gradient shows as a slower or noisier descent, which is what is compared).
+All methods start from the same student and draw each step's prompts and samples from the same
+seeded generators.
 
 Tracked on fresh held-out samples (new prompts, one completion each): KL(pi||ref) by the
 Rao-Blackwellized estimate on student samples (:func:`klest.kl_estimate`, ``estimator="rb"``),
@@ -58,10 +59,11 @@ https://arxiv.org/abs/2605.07865), the exact-KL control variate; "Better Estimat
 Kullback-Leibler Divergence Between Language Models" by Afra Amini, Tim Vieira and Ryan
 Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637), the Rao-Blackwellized estimates.
 
-Full size: ``klest run distill`` (3 seeds, 2 starts, 8 methods, 150 steps of 8 prompts x 8
-completions, 512 held-out samples per evaluation): WALL_TIME_FULL on a busy 2-core machine,
-model training included. ``--quick`` (smaller models trained in a temporary folder, one seed, 6
-steps) takes QUICK_TIME.
+Full size: ``klest run distill`` (3 seeds, 2 starts, 8 methods, 60 steps of 8 prompts x 8
+completions, 192 held-out samples per evaluation every 10 steps): about 8 minutes on a busy
+2-core machine with the models already trained (training them once takes about a minute
+more). ``--quick`` (smaller models trained in a temporary folder, one seed, 6 steps at lr 3e-3)
+takes about 15 CPU-seconds.
 """
 
 from __future__ import annotations
@@ -279,7 +281,8 @@ def distill(
     student.eval()  # no dropout in these models; eval mode only fixes the flag
     optimizer = torch.optim.Adam(student.parameters(), lr=sizes.lr)
     group = torch.arange(sizes.prompts).repeat_interleave(sizes.samples)
-    curves: dict[str, list[float]] = {k: [] for k in ("step", "kl", "kl_se", "kl_rev", "kl_rev_se")}
+    keys = ("step", "kl", "kl_se", "kl_rev", "kl_rev_se", "length")
+    curves: dict[str, list[float]] = {k: [] for k in keys}
     for step in range(sizes.steps + 1):
         if step % sizes.eval_every == 0 or step == sizes.steps:
             gen = _seeded(seed, step, 1)
@@ -293,6 +296,7 @@ def distill(
                 mean, se = _mean_se(values)
                 curves[key].append(mean)
                 curves[f"{key}_se"].append(se)
+            curves["length"].append(float(held_out.mask.sum(-1).double().mean()))
             curves["step"].append(step)
         if step == sizes.steps:
             break
@@ -351,6 +355,7 @@ def run(config: RunConfig) -> Report:
 
 def _run(teacher: Any, starts: dict[str, Any], sizes: Sizes, config: RunConfig) -> Report:
     runs: dict = {s: {m.name: [] for m in METHODS} for s in starts}
+    teacher_length = []
     total = len(starts) * len(METHODS) * sizes.seeds * sizes.steps
     with progress_bar(total=total, desc="distill", enabled=config.progress) as bar:
         for seed in range(config.seed, config.seed + sizes.seeds):
@@ -358,6 +363,7 @@ def _run(teacher: Any, starts: dict[str, Any], sizes: Sizes, config: RunConfig) 
             teacher_batch = sample_completions(
                 teacher, prompts(sizes.eval_samples, generator=gen), generator=gen
             )
+            teacher_length.append(float(teacher_batch.mask.sum(-1).double().mean()))
             for start_name, start in starts.items():
                 for method in METHODS:
                     curves = distill(
@@ -382,9 +388,10 @@ def _run(teacher: Any, starts: dict[str, Any], sizes: Sizes, config: RunConfig) 
         },
         "runs": runs,
         "final": finals,
+        "teacher_length": float(np.mean(teacher_length)),
         "paper": PAPER,
     }
-    sentence = _summary_sentence(finals)
+    sentence = _summary_sentence(finals, results["teacher_length"])
     results["summary"] = sentence
     table = _table(finals, sizes) + "\n" + sentence + "\n"
     return Report(results, table, _figures(runs), sentence)
@@ -419,6 +426,12 @@ def _finals(runs: dict) -> dict:
                     "final_sd": float(last.std(ddof=1)) if len(last) > 1 else 0.0,
                     "final_se": float(np.mean([r[f"{key}_se"][-1] for r in seeds])),
                 }
+            length = np.mean([r["length"] for r in seeds], axis=0)
+            entry["length"] = {
+                "start": float(length[0]),
+                "shortest": float(length.min()),
+                "final": float(length[-1]),
+            }
             ratio = np.array([r["kl"][-1] for r in seeds]) / token
             entry["ratio_to_token"] = float(ratio.mean())
             out[start][name] = entry
@@ -430,18 +443,20 @@ def _table(finals: dict, sizes: Sizes) -> str:
         f"Final held-out KLs after {sizes.steps} steps of {sizes.prompts} prompts x "
         f"{sizes.samples} completions (Adam, lr {sizes.lr}); mean ± sd over {sizes.seeds} "
         f"seed(s); KL(pi||ref) = student-to-teacher (on student samples), KL(ref||pi) = "
-        "teacher-to-student (on teacher samples); ratio = final KL(pi||ref) / token's, per seed.\n",
+        "teacher-to-student (on teacher samples); ratio = final KL(pi||ref) / token's, per seed; "
+        "length = mean held-out completion length in tokens (start / shortest / final).\n",
         "| start | method | KL(pi‖ref) start | KL(pi‖ref) final | ratio to token | "
-        "KL(ref‖pi) start | KL(ref‖pi) final |",
-        "|---|---|---|---|---|---|---|",
+        "KL(ref‖pi) start | KL(ref‖pi) final | length |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for start, methods in finals.items():
         for name, e in methods.items():
-            kl, rev = e["kl"], e["kl_rev"]
+            kl, rev, n = e["kl"], e["kl_rev"], e["length"]
             lines.append(
                 f"| {start} | {name} | {kl['start']:.2f} | {kl['final']:.2f} ± "
                 f"{kl['final_sd']:.2f} | {e['ratio_to_token']:.2f} | {rev['start']:.2f} | "
-                f"{rev['final']:.2f} ± {rev['final_sd']:.2f} |"
+                f"{rev['final']:.2f} ± {rev['final_sd']:.2f} | {n['start']:.1f} / "
+                f"{n['shortest']:.1f} / {n['final']:.1f} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -452,7 +467,7 @@ def _best(finals: dict, start: str, sequence_level: bool) -> tuple[str, float]:
     return name, finals[start][name]["kl"]["final"]
 
 
-def _summary_sentence(finals: dict) -> str:
+def _summary_sentence(finals: dict, teacher_length: float) -> str:
     parts = []
     for start, methods in finals.items():
         token = methods["token"]["kl"]
@@ -462,10 +477,15 @@ def _summary_sentence(finals: dict) -> str:
             f"{start} (KL(pi||ref) {token['start']:.2f} at the start): token ends at "
             f"{token['final']:.2f}, the best sequence-level gradient ({seq_name}) at {seq:.2f} "
             f"({seq / token['final']:.2f}x token's), the best token-local one ({loc_name}) at "
-            f"{loc:.2f}"
+            f"{loc:.2f}; completions go from {methods['token']['length']['start']:.1f} tokens "
+            f"to {finals[start][seq_name]['length']['shortest']:.1f} at the shortest under "
+            f"{seq_name}, {methods['token']['length']['shortest']:.1f} under token"
         )
     paper = PAPER["sequence-level"] / PAPER["token-level"]
-    return "; ".join(parts) + f". Tang and Munos: 7.7 -> 3.0 ({paper:.2f}x)."
+    return (
+        "; ".join(parts) + f" (the teacher's: {teacher_length:.1f}). Tang and Munos: "
+        f"7.7 -> 3.0 ({paper:.2f}x)."
+    )
 
 
 def _figures(runs: dict) -> dict:
