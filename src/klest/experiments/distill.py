@@ -60,8 +60,8 @@ Kullback-Leibler Divergence Between Language Models" by Afra Amini, Tim Vieira a
 Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637), the Rao-Blackwellized estimates.
 
 Full size: ``klest run distill`` (3 seeds, 2 starts, 8 methods, 60 steps of 8 prompts x 8
-completions, 192 held-out samples per evaluation every 10 steps): about 8 minutes on a busy
-2-core machine with the models already trained (training them once takes about a minute
+completions, 192 held-out samples per evaluation every 10 steps): 7.3 and 7.7 minutes (two runs)
+on a busy 2-core machine with the models already trained (training them once takes about a minute
 more). ``--quick`` (smaller models trained in a temporary folder, one seed, 6 steps at lr 3e-3)
 takes about 15 CPU-seconds.
 """
