@@ -10,6 +10,7 @@ def registry() -> dict[str, Experiment]:
     from klest.experiments import (
         chimera,
         control_variates,
+        kl_regularized_po,
         lm_gradients,
         migration,
         mode_seeking,
@@ -30,6 +31,7 @@ def registry() -> dict[str, Experiment]:
         topk.EXPERIMENT,
         lm_gradients.EXPERIMENT,
         rb_vs_mc.EXPERIMENT,
+        kl_regularized_po.EXPERIMENT,
     ]
     return {e.name: e for e in experiments}
 
