@@ -22,6 +22,7 @@ FIGURES = {
     "migration": ("gradient_coefficients",),
     "lm-gradients": ("mse_and_bias",),
     "rb-vs-mc": ("sd_and_bias_vs_m",),
+    "kl-regularized-po": ("curves", "pareto"),
 }
 OUT = Path(__file__).resolve().parent / "_static" / "experiments"
 MAX_WIDTH = 1100

@@ -57,9 +57,7 @@ from __future__ import annotations
 
 import copy
 import math
-import tempfile
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -72,13 +70,13 @@ from klest.estimators import kl_estimate
 from klest.experiments.reviews import NEUTRAL, sample_reviews, sentiment
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.experiments.small_lms import (
-    DEFAULT_CACHE,
     STUDENT,
     Architecture,
     Batch,
     Training,
     completion_log_probs,
     sample_completions,
+    small_lm_session,
     trained_gpt2,
 )
 from klest.penalty import kl_penalty
@@ -112,10 +110,11 @@ class Sizes:
     eval_every: int
     eval_samples: int  # held-out completions (one per fresh prompt) at each evaluation
     final_samples: int  # the same at the end of a run
+    noise_draws: int  # batches for the gradient-noise study at the end of seed 0's runs
 
 
-FULL = Sizes(STUDENT, 600, (0.01, 0.03, 0.1, 0.3), 5, 150, 16, 4, 1e-3, 10, 128, 512)
-QUICK = Sizes(STUDENT, 120, (0.0, 1.0), 2, 20, 8, 4, 3e-3, 5, 64, 256)
+FULL = Sizes(STUDENT, 600, (0.01, 0.03, 0.1, 0.3), 5, 150, 16, 4, 1e-3, 10, 128, 512, 30)
+QUICK = Sizes(STUDENT, 120, (0.0, 1.0), 2, 20, 8, 4, 3e-3, 5, 64, 256, 8)
 
 
 def rloo_advantages(rewards: Tensor, group: Tensor) -> Tensor:
@@ -127,6 +126,32 @@ def rloo_advantages(rewards: Tensor, group: Tensor) -> Tensor:
     valid = torch.ones_like(rewards, dtype=torch.bool).unsqueeze(-1)
     baseline = group_baseline(rewards.unsqueeze(-1), valid, "loo", group_keys(group))
     return rewards - baseline[:, 0]
+
+
+def loss_terms(
+    policy: Any, ref: Any, batch: Batch, group: Tensor, *, estimators: tuple[str, ...] = ESTIMATORS
+) -> tuple[Tensor, dict[str, Tensor], Tensor]:
+    """On one batch of completions: the REINFORCE term with RLOO advantages, each estimator's
+    KL term (:data:`KL_PENALTIES`: value forward, gradient backward), and the rewards ``[N]``."""
+    logits, logp = completion_log_probs(policy, batch)
+    with torch.no_grad():
+        logits_ref, logp_ref = completion_log_probs(ref, batch)
+    rewards = sentiment(batch.tokens[:, batch.k :], batch.mask).double()
+    reinforce = -(rloo_advantages(rewards, group) * logp.sum(-1)).mean()
+    kls = {
+        est: kl_penalty(
+            logp,
+            logp_ref,
+            **KL_PENALTIES[est],
+            mask=batch.mask,
+            baseline="loo",
+            group=group,
+            logits=logits,
+            logits_ref=logits_ref,
+        )
+        for est in estimators
+    }
+    return reinforce, kls, rewards
 
 
 def policy_loss(
@@ -142,24 +167,40 @@ def policy_loss(
 
     Returns the loss (with pi's graph) and the batch's mean reward and KL value estimate.
     """
-    logits, logp = completion_log_probs(policy, batch)
-    with torch.no_grad():
-        logits_ref, logp_ref = completion_log_probs(ref, batch)
-    rewards = sentiment(batch.tokens[:, batch.k :], batch.mask).double()
-    advantages = rloo_advantages(rewards, group)
-    reinforce = -(advantages * logp.sum(-1)).mean()
-    kl = kl_penalty(
-        logp,
-        logp_ref,
-        **KL_PENALTIES[estimator],
-        mask=batch.mask,
-        baseline="loo",
-        group=group,
-        logits=logits,
-        logits_ref=logits_ref,
-    )
+    reinforce, kls, rewards = loss_terms(policy, ref, batch, group, estimators=(estimator,))
+    kl = kls[estimator]
     stats = {"reward": float(rewards.mean()), "kl_estimate": float(kl.detach())}
     return reinforce + beta * kl, stats
+
+
+def gradient_noise(
+    policy: Any, ref: Any, *, beta: float, sizes: Sizes, seed: int
+) -> dict[str, float]:
+    """The total variance (the sum over pi's parameters of each coordinate's variance across
+    ``sizes.noise_draws`` independent training batches) of the parts of the training gradient
+    at ``policy``: the reward term's (``"reward"``), beta times each estimator's KL term's
+    (``"kl/mc"``, ``"kl/rb"``), and each arm's whole gradient (``"total/mc"``, ``"total/rb"``),
+    all from the same batches."""
+    params = list(policy.parameters())
+    group = torch.arange(sizes.prompts).repeat_interleave(sizes.samples)
+    draws: dict[str, list[Tensor]] = {"reward": []}
+    for d in range(sizes.noise_draws):
+        gen = _generator(seed, d, 2)
+        rows = prompts(sizes.prompts, generator=gen).repeat_interleave(sizes.samples, 0)
+        batch = sample_completions(policy, rows, generator=gen)
+        reinforce, kls, _ = loss_terms(policy, ref, batch, group)
+
+        def flat(loss: Tensor) -> Tensor:
+            grads = torch.autograd.grad(loss, params, retain_graph=True)
+            return torch.cat([g.reshape(-1) for g in grads]).double()
+
+        g_reward = flat(reinforce)
+        draws["reward"].append(g_reward)
+        for est, kl in kls.items():
+            g_kl = beta * flat(kl)
+            draws.setdefault(f"kl/{est}", []).append(g_kl)
+            draws.setdefault(f"total/{est}", []).append(g_reward + g_kl)
+    return {name: float(torch.stack(v).var(0).sum()) for name, v in draws.items()}
 
 
 def prompts(n: int, *, generator: torch.Generator) -> Tensor:
@@ -194,14 +235,16 @@ def held_out(policy: Any, ref: Any, n: int, *, generator: torch.Generator) -> di
 
 
 def _generator(seed: int, step: int, stream: int) -> torch.Generator:
-    """The generator of one step of one seed; the same for every arm and beta."""
-    return torch.Generator().manual_seed(1_000_003 * seed + 2 * step + stream)
+    """The generator of one step of one seed (streams: 0 training, 1 held out, 2 gradient
+    noise); the same for every arm and beta."""
+    return torch.Generator().manual_seed(1_000_003 * seed + 3 * step + stream)
 
 
 def train(
     ref: Any, *, beta: float, estimator: str, seed: int, sizes: Sizes, bar: Any = None
-) -> dict[str, Any]:
-    """One RLOO run from pi = ref: curves of the training batch and of held-out evaluations."""
+) -> tuple[dict[str, Any], Any]:
+    """One RLOO run from pi = ref: curves of the training batch and of held-out evaluations;
+    and the trained policy."""
     policy = copy.deepcopy(ref).train(False)
     optimizer = torch.optim.Adam(policy.parameters(), lr=sizes.lr)
     group = torch.arange(sizes.prompts).repeat_interleave(sizes.samples)
@@ -226,7 +269,7 @@ def train(
         if bar is not None:
             bar.update(1)
     held = {k: [e[k] for e in evals] for k in evals[0]}
-    return {"train": curves, "held_out": held, "final": evals[-1]}
+    return {"train": curves, "held_out": held, "final": evals[-1]}, policy
 
 
 def pareto_front(reward: np.ndarray, kl: np.ndarray) -> np.ndarray:
@@ -329,7 +372,7 @@ def _frontier(runs: dict) -> dict:
     }
 
 
-def _table(stats: dict, frontier: dict, sizes: Sizes) -> str:
+def _table(stats: dict, frontier: dict, noise: dict, sizes: Sizes) -> str:
     lines = [
         f"Final held-out reward and KL(pi||ref) (RB, {sizes.final_samples} fresh completions) "
         f"after {sizes.steps} steps; mean ± sd across {sizes.seeds} seeds. Curve spread: the "
@@ -355,7 +398,26 @@ def _table(stats: dict, frontier: dict, sizes: Sizes) -> str:
             f"| {region} | {share['points']} | {share.get('rb', 0.0):.0%} "
             f"| {share.get('mc', 0.0):.0%} | {PAPER_FRONTIER_SHARE[region]['rb']:.0%} |"
         )
+    lines += [
+        "",
+        f"### Gradient noise at the end of seed {0}'s runs: total variance over "
+        f"{sizes.noise_draws} batches\n",
+        "| beta | trained with | reward term | beta x KL term, mc | beta x KL term, rb "
+        "| whole gradient, mc | whole gradient, rb | rb / mc (whole) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for beta, by_policy in noise.items():
+        for est, v in by_policy.items():
+            lines.append(
+                f"| {beta:g} | {est} | {v['reward']:.4g} | {v['kl/mc']:.4g} | {v['kl/rb']:.4g} "
+                f"| {v['total/mc']:.4g} | {v['total/rb']:.4g} "
+                f"| {_ratio(v['total/rb'], v['total/mc']):.3f} |"
+            )
     return "\n".join(lines) + "\n"
+
+
+def _ratio(a: float, b: float) -> float:
+    return a / b if b > 0 else float("nan")
 
 
 def _figures(runs: dict, frontier: dict) -> dict:
@@ -374,7 +436,7 @@ def _figures(runs: dict, frontier: dict) -> dict:
                 ax.fill_between(steps, mean - sd, mean + sd, color=colors[est], alpha=0.25)
         axes[0, col].set(title=f"beta = {beta:g}", xlabel="step", ylabel="held-out reward")
         axes[1, col].set(xlabel="step", ylabel="KL(pi||ref), nats (RB, held out)")
-    axes[0, 0].legend(title="KL estimator (mean ± sd over seeds)", fontsize=8)
+    axes[0, -1].legend(title="KL estimator (mean ± sd over seeds)", fontsize=8, loc="lower right")
     fig.tight_layout()
 
     pareto, ax = plt.subplots(figsize=(6.5, 4.5))
@@ -405,7 +467,7 @@ def _figures(runs: dict, frontier: dict) -> dict:
     return {"curves": fig, "pareto": pareto}
 
 
-def _summary_sentence(stats: dict, frontier: dict) -> str:
+def _summary_sentence(stats: dict, frontier: dict, noise: dict) -> str:
     share = frontier["share"]
     low = share[f"kl<{LOW_KL:g}"]
     steadier = [
@@ -416,62 +478,67 @@ def _summary_sentence(stats: dict, frontier: dict) -> str:
         f"(rb)"
         for beta, s in stats.items()
     )
+    at_end = {b: by["rb"] for b, by in noise.items() if by["rb"]["kl/mc"] > 0}
+
+    def listed(num: str, den: str) -> str:
+        return ", ".join(f"{_ratio(v[num], v[den]):.2f}" for v in at_end.values())
+
     return (
         f"RB holds {share['all'].get('rb', 0.0):.0%} of the reward-KL Pareto frontier "
         f"({share['all']['points']} points; paper 78%) and {low.get('rb', 0.0):.0%} of it for "
         f"KL < {LOW_KL:g} ({low['points']} points; paper 95%). KL curves' spread across seeds: "
-        f"{spreads}; RB is steadier at {len(steadier)} of {len(stats)} betas."
+        f"{spreads}; RB is steadier at {len(steadier)} of {len(stats)} betas. Gradient noise at "
+        f"the end of training (RB-trained policy, beta = {', '.join(f'{b:g}' for b in at_end)}): "
+        f"RB's KL-term variance is {listed('kl/rb', 'kl/mc')} of MC's, the whole gradient's "
+        f"{listed('total/rb', 'total/mc')} of MC's; the reward term alone is "
+        f"{listed('reward', 'total/mc')} of MC's whole-gradient variance."
     )
 
 
 def run(config: RunConfig) -> Report:
     sizes = QUICK if config.quick else FULL
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only add overhead
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            cache = Path(tmp) if config.quick else DEFAULT_CACHE
-            ref, _ = trained_gpt2(
-                sizes.arch,
-                Training(NEUTRAL, steps=sizes.ref_steps, seed=config.seed),
-                cache_dir=cache,
-                progress=config.progress,
-            )
-            return _run(ref, sizes, config)
-    finally:
-        torch.set_num_threads(threads)
+    with small_lm_session(config.quick) as cache:
+        training = Training(NEUTRAL, steps=sizes.ref_steps, seed=config.seed)
+        ref, _ = trained_gpt2(sizes.arch, training, cache_dir=cache, progress=config.progress)
+        return _run(ref, sizes, config)
 
 
 def _run(ref: Any, sizes: Sizes, config: RunConfig) -> Report:
     total = len(sizes.betas) * len(ESTIMATORS) * sizes.seeds * sizes.steps
     runs: dict = {}
+    noise: dict = {}
     with progress_bar(total=total, desc="kl-regularized-po", enabled=config.progress) as bar:
         for beta in sizes.betas:
-            runs[beta] = {
-                est: [
-                    train(ref, beta=beta, estimator=est, seed=config.seed + s, sizes=sizes, bar=bar)
-                    for s in range(sizes.seeds)
-                ]
-                for est in ESTIMATORS
-            }
+            runs[beta], noise[beta] = {}, {}
+            for est in ESTIMATORS:
+                runs[beta][est] = []
+                for s in range(sizes.seeds):
+                    seed = config.seed + s
+                    record, policy = train(
+                        ref, beta=beta, estimator=est, seed=seed, sizes=sizes, bar=bar
+                    )
+                    runs[beta][est].append(record)
+                    if s == 0:
+                        noise[beta][est] = gradient_noise(
+                            policy, ref, beta=beta, sizes=sizes, seed=seed
+                        )
     stats = _final_stats(runs)
     frontier = _frontier(runs)
-    sentence = _summary_sentence(stats, frontier)
+    sentence = _summary_sentence(stats, frontier, noise)
     results = {
         "experiment": "kl-regularized-po",
         "quick": config.quick,
         "seed": config.seed,
-        "sizes": {
-            k: (v if not isinstance(v, Architecture) else vars(v)) for k, v in vars(sizes).items()
-        },
+        "sizes": asdict(sizes),
         "kl_penalties": KL_PENALTIES,
         "runs": runs,
         "final": stats,
         "frontier": frontier,
+        "gradient_noise": noise,
         "paper_frontier_share": PAPER_FRONTIER_SHARE,
         "summary": sentence,
     }
-    table = _table(stats, frontier, sizes) + "\n" + sentence + "\n"
+    table = _table(stats, frontier, noise, sizes) + "\n" + sentence + "\n"
     return Report(results, table, _figures(runs, frontier), sentence)
 
 
