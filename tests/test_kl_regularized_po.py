@@ -177,8 +177,9 @@ def test_quick_reward_rises_without_kl_and_a_large_beta_holds_the_kl(quick):
     """At beta = 0 the final held-out reward is above the start's (the reward moves); at the
     large beta the final KL is below beta = 0's, for each seed and arm. Each a one-sided
     difference of two independent means above z standard errors, Bonferroni over all
-    comparisons (false-fail rate RATE). Power: the quick run's reward rises by about 0.7 (se
-    0.05) and the KL is about 40 nats at beta = 0 against 1 at beta = 1 (se about 1)."""
+    comparisons (false-fail rate RATE). Power, from the quick sizes at seeds 0 to 3: the
+    reward rises by 0.5 to 0.8, 8 to 14 standard errors against a threshold of 4.3; the KL ends
+    at 35 to 95 nats at beta = 0 against 0.3 to 0.4 at beta = 1 (standard errors below 2)."""
     runs = list(_runs(quick))
     betas = sorted({b for b, _, _, _ in runs})
     assert betas[0] == 0.0 and betas[-1] >= 1.0

@@ -114,7 +114,7 @@ class Sizes:
 
 
 FULL = Sizes(STUDENT, 600, (0.01, 0.03, 0.1, 0.3), 5, 150, 16, 4, 1e-3, 10, 128, 512, 30)
-QUICK = Sizes(STUDENT, 120, (0.0, 1.0), 2, 20, 8, 4, 3e-3, 5, 64, 256, 8)
+QUICK = Sizes(STUDENT, 300, (0.0, 1.0), 2, 24, 8, 4, 2e-3, 6, 128, 256, 8)
 
 
 def rloo_advantages(rewards: Tensor, group: Tensor) -> Tensor:
