@@ -123,6 +123,14 @@ def test_mc_arm_is_rloo_on_the_reward_minus_beta_k1():
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
+def test_policy_loss_rejects_an_unknown_estimator():
+    policy = build_gpt2(TINY, max_length=MAX_LENGTH, seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    batch = sample_completions(policy, prompts(2, generator=gen), generator=gen)
+    with pytest.raises(ValueError, match="estimators must be among"):
+        policy_loss(policy, policy, batch, torch.arange(2), beta=0.1, estimator="k3")
+
+
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> dict:
     return run_quick("kl-regularized-po", tmp_path_factory.mktemp("po"))
