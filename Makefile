@@ -32,7 +32,7 @@ docs: $(STAMP)
 
 # The experiments' figures in docs/_static/experiments/: the full-size runs (minutes each), under
 # runs/NAME, then scaled down for the repository. Not part of `make test`.
-EXPERIMENTS := schulman chimera-variance chimera-training pitfalls control-variates mode-seeking migration lm-gradients rb-vs-mc distill
+EXPERIMENTS := schulman chimera-variance chimera-training pitfalls control-variates mode-seeking migration lm-gradients rb-vs-mc distill kl-regularized-po
 docs-figures: $(STAMP)
 	for name in $(EXPERIMENTS); do \
 		$(VENV)/bin/klest run $$name --no-progress --out runs/$$name || exit 1; \

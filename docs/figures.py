@@ -23,6 +23,7 @@ FIGURES = {
     "lm-gradients": ("mse_and_bias",),
     "rb-vs-mc": ("sd_and_bias_vs_m",),
     "distill": ("kl_curves",),
+    "kl-regularized-po": ("curves", "pareto"),
 }
 OUT = Path(__file__).resolve().parent / "_static" / "experiments"
 MAX_WIDTH = 1100

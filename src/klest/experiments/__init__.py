@@ -11,6 +11,7 @@ def registry() -> dict[str, Experiment]:
         chimera,
         control_variates,
         distill,
+        kl_regularized_po,
         lm_gradients,
         migration,
         mode_seeking,
@@ -32,6 +33,7 @@ def registry() -> dict[str, Experiment]:
         lm_gradients.EXPERIMENT,
         rb_vs_mc.EXPERIMENT,
         distill.EXPERIMENT,
+        kl_regularized_po.EXPERIMENT,
     ]
     return {e.name: e for e in experiments}
 

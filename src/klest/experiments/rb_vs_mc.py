@@ -57,7 +57,6 @@ models trained in a temporary folder) takes 30 to 45 seconds.
 from __future__ import annotations
 
 import math
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,7 +79,6 @@ from klest.experiments.reviews import (
 )
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.experiments.small_lms import (
-    DEFAULT_CACHE,
     MAX_LENGTH,
     REFERENCE,
     STUDENT,
@@ -89,6 +87,7 @@ from klest.experiments.small_lms import (
     Training,
     completion_log_probs,
     sample_completions,
+    small_lm_session,
     trained_gpt2,
 )
 from klest.penalty import kl_penalty
@@ -456,15 +455,9 @@ def _summary_sentence(summary: dict, grads: dict) -> str:
 
 def run(config: RunConfig) -> Report:
     sizes = QUICK if config.quick else FULL
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only add overhead
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            cache = Path(tmp) if config.quick else DEFAULT_CACHE
-            ref, policy = _models(sizes, config.seed, cache, config.progress)
-            return _run(ref, policy, sizes, config)
-    finally:
-        torch.set_num_threads(threads)
+    with small_lm_session(config.quick) as cache:
+        ref, policy = _models(sizes, config.seed, cache, config.progress)
+        return _run(ref, policy, sizes, config)
 
 
 def _run(ref: Any, policy: Any, sizes: Sizes, config: RunConfig) -> Report:

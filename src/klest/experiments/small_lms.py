@@ -14,6 +14,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -224,3 +227,17 @@ def completion_log_probs(model: Any, batch: Batch) -> tuple[Tensor, Tensor]:
     targets = batch.tokens[:, batch.k :]
     logp = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
     return logits, torch.where(batch.mask, logp, 0.0)
+
+
+@contextmanager
+def small_lm_session(quick: bool) -> Iterator[Path]:
+    """The setting of an experiment on these models: torch on one thread (tiny models: more
+    threads only add overhead; restored after), and the model cache it yields: a temporary
+    folder for a ``--quick`` run (deleted after), :data:`DEFAULT_CACHE` otherwise."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield Path(tmp) if quick else DEFAULT_CACHE
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,219 @@
+"""The kl-regularized-po experiment: its RLOO loss, its Pareto frontier, and its quick run.
+
+The quick run's claims are checked against the curves it writes (every held-out evaluation's
+means and standard errors, every training step's reward), with statistics computed here: the
+held-out RB and MC estimates of KL(pi||ref) agree (both unbiased, same samples); at pi = ref the
+KL is exactly 0 and the KL term moves nothing; at beta = 0 the reward rises; a large beta holds
+the KL far below beta = 0's.
+"""
+
+from __future__ import annotations
+
+import math
+from itertools import product
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("transformers", reason="the klest[hf] extra (installed by make test)")
+pytest.importorskip("matplotlib", reason="the klest[experiments] extra")
+
+from klest.experiments.kl_regularized_po import (
+    LOW_KL,
+    frontier_share,
+    pareto_front,
+    policy_loss,
+    prompts,
+    rloo_advantages,
+)
+from klest.experiments.reviews import sentiment
+from klest.experiments.small_lms import (
+    MAX_LENGTH,
+    Architecture,
+    build_gpt2,
+    completion_log_probs,
+    sample_completions,
+)
+from tests._stats import RATE, t_for, z_for
+from tests.test_experiments import run_quick
+
+TINY = Architecture(n_embd=16, n_layer=1, n_head=2)
+
+
+def _slow_loo(values: list[float], group: list[int]) -> list[float]:
+    """values[i] minus the mean of the other values of its group (0 when it is alone)."""
+    out = []
+    for i, g in enumerate(group):
+        others = [values[j] for j, h in enumerate(group) if h == g and j != i]
+        out.append(values[i] - (sum(others) / len(others) if others else 0.0))
+    return out
+
+
+def test_rloo_advantages_are_leave_one_out_and_sum_to_zero_per_group():
+    g = torch.Generator().manual_seed(0)
+    rewards = torch.rand(13, generator=g, dtype=torch.float64) * 2 - 1
+    group = torch.tensor([3, 3, 3, 3, 0, 0, 7, 7, 7, 7, 7, 1, 1])
+    got = rloo_advantages(rewards, group)
+    assert got.tolist() == pytest.approx(_slow_loo(rewards.tolist(), group.tolist()), abs=1e-12)
+    for k in group.unique():
+        assert abs(float(got[group == k].sum())) < 1e-12
+    alone = rloo_advantages(torch.tensor([0.25, 0.5], dtype=torch.float64), torch.tensor([0, 1]))
+    assert alone.tolist() == [0.25, 0.5]  # no other completion: baseline 0
+
+
+def _dominated(i: int, reward: np.ndarray, kl: np.ndarray) -> bool:
+    return any(
+        reward[j] >= reward[i] and kl[j] <= kl[i] and (reward[j] > reward[i] or kl[j] < kl[i])
+        for j in range(len(reward))
+    )
+
+
+@pytest.mark.parametrize("decimals", [None, 1])  # continuous points, and many ties
+def test_pareto_front_matches_brute_force(decimals):
+    rng = np.random.default_rng(1)
+    for trial in range(200):
+        n = int(rng.integers(1, 30))
+        reward, kl = rng.uniform(-1, 1, n), rng.exponential(3.0, n)
+        if decimals is not None:
+            reward, kl = reward.round(decimals), kl.round(decimals)
+        want = np.array([not _dominated(i, reward, kl) for i in range(n)])
+        assert np.array_equal(pareto_front(reward, kl), want), (trial, reward, kl)
+        labels = list(rng.choice(["mc", "rb"], n))
+        on = want & (kl < LOW_KL)
+        share = frontier_share(reward, kl, labels, kl_below=LOW_KL)
+        assert share["points"] == int(on.sum())
+        for label in ("mc", "rb"):
+            if label in labels and on.any():
+                held = sum(o and lab == label for o, lab in zip(on, labels, strict=True))
+                assert share[label] == pytest.approx(held / on.sum())
+
+
+def test_pareto_front_rejects_bad_input():
+    with pytest.raises(ValueError, match="reward and kl"):
+        pareto_front(np.zeros(3), np.zeros(4))
+    with pytest.raises(ValueError, match="finite"):
+        pareto_front(np.array([0.0, np.nan]), np.zeros(2))
+
+
+def test_mc_arm_is_rloo_on_the_reward_minus_beta_k1():
+    """The MC arm's loss (REINFORCE with RLOO advantages plus beta * k1 with the score gradient
+    and a leave-one-out baseline) has the gradient of plain RLOO on the reward r - beta * delta,
+    delta the completion's log-ratio (the "KL in the reward" form), built here by hand."""
+    policy = build_gpt2(TINY, max_length=MAX_LENGTH, seed=0).eval()
+    ref = build_gpt2(TINY, max_length=MAX_LENGTH, seed=1).eval()
+    gen = torch.Generator().manual_seed(2)
+    batch = sample_completions(
+        policy, prompts(6, generator=gen).repeat_interleave(4, 0), generator=gen
+    )
+    group = torch.arange(6).repeat_interleave(4)
+    beta = 0.3
+    params = list(policy.parameters())
+    loss, _ = policy_loss(policy, ref, batch, group, beta=beta, estimator="mc")
+    got = torch.autograd.grad(loss, params)
+
+    _, logp = completion_log_probs(policy, batch)
+    with torch.no_grad():
+        _, logp_ref = completion_log_probs(ref, batch)
+    delta = (logp.detach() - logp_ref).sum(-1)
+    reward = sentiment(batch.tokens[:, batch.k :], batch.mask).double() - beta * delta
+    advantage = torch.tensor(_slow_loo(reward.tolist(), group.tolist()), dtype=torch.float64)
+    want = torch.autograd.grad(-(advantage * logp.sum(-1)).mean(), params)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
+
+
+def test_policy_loss_rejects_an_unknown_estimator():
+    policy = build_gpt2(TINY, max_length=MAX_LENGTH, seed=0).eval()
+    gen = torch.Generator().manual_seed(0)
+    batch = sample_completions(policy, prompts(2, generator=gen), generator=gen)
+    with pytest.raises(ValueError, match="estimators must be among"):
+        policy_loss(policy, policy, batch, torch.arange(2), beta=0.1, estimator="k3")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory) -> dict:
+    return run_quick("kl-regularized-po", tmp_path_factory.mktemp("po"))
+
+
+def _runs(r: dict):
+    """(beta, estimator, seed, run) for every run of the quick result."""
+    for beta, by_est in r["runs"].items():
+        for est, seeds in by_est.items():
+            for seed, run in enumerate(seeds):
+                yield float(beta), est, seed, run
+
+
+def test_quick_kl_is_exactly_zero_at_the_start_and_the_first_step_is_shared(quick):
+    """pi = ref at step 0: both held-out KL estimates are exactly 0, and both KL terms and their
+    gradients are exactly 0, so every arm and beta takes the same first step from the same
+    samples (same step-1 reward and same step-1 KL value per estimator), and at beta = 0 the
+    two arms are the same run throughout. Exact equalities: the runs draw from the same
+    generator seeds, so a KL gradient that were not exactly 0 at pi = ref would make the first
+    updates, and through Adam and the samples the later steps, differ."""
+    runs = list(_runs(quick))
+    for _, _, _, run in runs:
+        assert run["held_out"]["kl"][0] == 0.0 and run["held_out"]["kl_mc"][0] == 0.0
+        assert run["held_out"]["kl"][1] > 0.0  # the policy moved
+    for seed in {s for _, _, s, _ in runs}:
+        same_seed = [(b, e, run) for b, e, s, run in runs if s == seed]
+        assert len({run["train"]["reward"][1] for _, _, run in same_seed}) == 1
+        for est in ("mc", "rb"):
+            assert len({run["train"]["kl_estimate"][1] for _, e, run in same_seed if e == est}) == 1
+        at_zero = {e: run for b, e, run in same_seed if b == 0.0}
+        # The same policies throughout (the logged training KL values differ: k1 vs RB).
+        assert at_zero["mc"]["train"]["reward"] == at_zero["rb"]["train"]["reward"]
+        assert at_zero["mc"]["held_out"] == at_zero["rb"]["held_out"]
+
+
+def test_quick_held_out_rb_and_mc_estimates_agree(quick):
+    """Both held-out estimates are unbiased for KL(pi||ref) and computed on the same samples:
+    their paired difference has mean 0. Every evaluation after step 0 is compared within Student
+    t standard errors of the paired difference, Bonferroni over all of them (false-fail rate
+    RATE)."""
+    comparisons = []
+    for _, _, _, run in _runs(quick):
+        h = run["held_out"]
+        comparisons += list(zip(h["kl_mc_minus_rb"][1:], h["kl_mc_minus_rb_se"][1:], strict=True))
+    n_min = quick["sizes"]["eval_samples"]
+    t = t_for(RATE, len(comparisons), dof=n_min - 1)
+    for diff, se in comparisons:
+        assert se > 0 and abs(diff) <= t * se, (diff, se, t)
+
+
+def test_quick_reward_rises_without_kl_and_a_large_beta_holds_the_kl(quick):
+    """At beta = 0 the final held-out reward is above the start's (the reward moves); at the
+    large beta the final KL is below beta = 0's, for each seed and arm. Each a one-sided
+    difference of two independent means above z standard errors, Bonferroni over all
+    comparisons (false-fail rate RATE). Power, from the quick sizes at seeds 0 to 3: the
+    reward rises by 0.5 to 0.8, 8 to 14 standard errors against a threshold of 4.3; the KL ends
+    at 35 to 95 nats at beta = 0 against 0.3 to 0.4 at beta = 1 (standard errors below 2)."""
+    runs = list(_runs(quick))
+    betas = sorted({b for b, _, _, _ in runs})
+    assert betas[0] == 0.0 and betas[-1] >= 1.0
+    final = {(b, e, s): run for b, e, s, run in runs}
+    pairs = [(e, s) for b, e, s, _ in runs if b == betas[0]]
+    z = z_for(RATE, 2 * len(pairs), two_sided=False)
+    for est, seed in pairs:
+        h = final[(0.0, est, seed)]["held_out"]
+        rise = h["reward"][-1] - h["reward"][0]
+        assert rise > z * math.hypot(h["reward_se"][-1], h["reward_se"][0]), (est, seed, rise)
+        big = final[(betas[-1], est, seed)]["held_out"]
+        gap = h["kl"][-1] - big["kl"][-1]
+        assert gap > z * math.hypot(h["kl_se"][-1], big["kl_se"][-1]), (est, seed, gap)
+
+
+def test_quick_frontier_is_the_brute_force_frontier_of_the_final_points(quick):
+    points = quick["frontier"]["points"]
+    reward = np.array([p["reward"] for p in points])
+    kl = np.array([p["kl"] for p in points])
+    on = [not _dominated(i, reward, kl) for i in range(len(points))]
+    assert [p["on_frontier"] for p in points] == on
+    for p, (b, e, s, run) in zip(points, _runs(quick), strict=True):
+        assert (p["beta"], p["estimator"], p["seed"]) == (b, e, s)
+        assert (p["reward"], p["kl"]) == (run["held_out"]["reward"][-1], run["held_out"]["kl"][-1])
+    rb = sum(o and p["estimator"] == "rb" for o, p in zip(on, points, strict=True))
+    assert quick["frontier"]["share"]["all"]["rb"] == pytest.approx(rb / sum(on))
+    assert set(product(["all", f"kl<{LOW_KL:g}"], ["rb", "mc", "points"])) <= {
+        (region, k) for region, share in quick["frontier"]["share"].items() for k in share
+    }
