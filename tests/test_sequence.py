@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from klest.sequence import (
+    ShiftBuffer,
     align_left,
     first_token,
     prefix_weights,
-    roll_rows,
     sum_after,
     sum_from_here,
     unalign,
@@ -50,9 +50,15 @@ def test_alignment_at_the_first_valid_token_round_trips():
     assert torch.equal(torch.where(valid, unalign(rolled, first), 0.0), torch.where(valid, x, 0.0))
 
 
-def test_roll_rows_matches_torch_roll_per_row():
-    x = torch.arange(24.0).reshape(4, 6)
-    shift = torch.tensor([0, 1, 5, 3])
-    got = roll_rows(x, shift)
+def test_shift_buffer_windows_are_row_slices_with_zeros_shifted_in():
+    x = torch.arange(1.0, 25.0).reshape(4, 6)
+    start = torch.tensor([0, 1, 5, 6])
+    left = ShiftBuffer.new(4, 6, data_first=True, like=x)
+    left.data.copy_(x)
+    right = ShiftBuffer.new(4, 6, data_first=False, like=x)
+    right.data.copy_(x)
+    got_left, got_right = left.windows(start), right.windows(start)
     for r in range(4):
-        assert torch.equal(got[r], torch.roll(x[r], -int(shift[r])))
+        s = int(start[r])
+        assert got_left[r].tolist() == x[r, s:].tolist() + [0.0] * s
+        assert got_right[r].tolist() == [0.0] * (6 - s) + x[r, :s].tolist()

@@ -295,9 +295,11 @@ def check_log_probs(
     rounding_of = x.dtype if rounding_of is None else rounding_of
     tol = math.inf if density else _POSITIVE_LOGP_TOL.get(rounding_of, _POSITIVE_LOGP_TOL_DEFAULT)
     lo, hi = torch.aminmax(x)
-    bad = ~(hi < math.inf) | (hi > tol)  # NaN, +inf, or above 0
+    # NaN fails every comparison; +inf fails both (with tol = inf only the strict one).
+    ok = hi < math.inf if tol == math.inf else hi <= tol
     if not allow_neg_inf:
-        bad = bad | (lo == -math.inf)
+        ok = ok & (lo > -math.inf)
+    bad = ~ok
 
     def message(_: Tensor) -> str:
         k = torch.ones_like(x, dtype=torch.bool)

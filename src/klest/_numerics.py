@@ -45,20 +45,31 @@ _XEXP_TAIL_SERIES = _Series(_XEXP_TAIL, 0.5, {torch.float64: 17}, 9)
 
 def _series_or_direct(x: Tensor, series: _Series, direct) -> Tensor:
     coeffs = series.coeffs[: series.degree.get(x.dtype, series.default_degree) - 1]
-    small = x.abs() < series.radius
-    needs_graph = torch.is_grad_enabled() and x.requires_grad
-    # With a graph, each branch sees only inputs valid for it (the unselected branch's backward
-    # would otherwise put inf * 0 = NaN into the gradient); without one, both see x as it is.
-    xs = torch.where(small, x, torch.zeros_like(x)) if needs_graph else x
-    # Horner: acc = c_{n-1} + c_n x, then acc = c + acc x (one fused pass each; in place when no
-    # graph is recorded).
-    acc = torch.add(_scalar(coeffs[-2], xs), xs, alpha=coeffs[-1])
+    if torch.is_grad_enabled() and x.requires_grad:
+        # With a graph, each branch sees only inputs valid for it (the unselected branch's
+        # backward would otherwise put inf * 0 = NaN into the gradient).
+        small = x.abs() < series.radius
+        xs = torch.where(small, x, torch.zeros_like(x))
+        xd = torch.where(small, torch.ones_like(x), x)
+        return torch.where(small, _horner(coeffs, xs, in_place=False), direct(xd))
+    # Without one, the branches are blended by a 0/1 float weight (float arithmetic runs several
+    # times faster than bool masks on the CPU): direct(x) * far + polynomial(x * near), where
+    # direct(x) is finite wherever near (or x's own inf / NaN) and the polynomial is exactly 0
+    # where far (its input is 0 there, with x clamped first so no inf meets the 0): exactly one
+    # branch or the other.
+    far = x.abs().ge_(series.radius)
+    clamped = x.clamp(-series.radius, series.radius)
+    near = clamped.addcmul_(clamped, far, value=-1.0)  # x where near, exactly 0 where far
+    return direct(x).mul_(far).add_(_horner(coeffs, near, in_place=True))
+
+
+def _horner(coeffs: tuple[float, ...], x: Tensor, *, in_place: bool) -> Tensor:
+    """``x^2 (c_0 + c_1 x + ...)``: acc = c_{n-1} + c_n x, then acc = c + acc x (one fused pass
+    each; in place when no graph is recorded)."""
+    acc = torch.add(_scalar(coeffs[-2], x), x, alpha=coeffs[-1])
     for c in reversed(coeffs[:-2]):
-        out = None if needs_graph else acc
-        acc = torch.addcmul(_scalar(c, xs), acc, xs, out=out)
-    polynomial = acc * xs * xs if needs_graph else acc.mul_(xs).mul_(xs)
-    xd = torch.where(small, torch.ones_like(x), x) if needs_graph else x
-    return torch.where(small, polynomial, direct(xd))
+        acc = torch.addcmul(_scalar(c, x), acc, x, out=acc if in_place else None)
+    return acc.mul_(x).mul_(x) if in_place else acc * x * x
 
 
 def _scalar(c: float, like: Tensor) -> Tensor:
@@ -67,7 +78,14 @@ def _scalar(c: float, like: Tensor) -> Tensor:
 
 def exp_tail(x: Tensor) -> Tensor:
     """``e^x - 1 - x``, accurate to a few ulp for every x (>= 0; +inf only past overflow)."""
-    return _series_or_direct(x, _EXP_TAIL_SERIES, lambda z: torch.expm1(z) - z)
+    return _series_or_direct(x, _EXP_TAIL_SERIES, _expm1_minus_identity)
+
+
+def _expm1_minus_identity(z: Tensor) -> Tensor:
+    """``expm1(z) - z``, in place on ``expm1``'s result when no graph is recorded."""
+    if torch.is_grad_enabled() and z.requires_grad:
+        return torch.expm1(z) - z
+    return torch.expm1(z).sub_(z)
 
 
 def xexp_tail(x: Tensor) -> Tensor:

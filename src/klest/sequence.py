@@ -15,6 +15,8 @@ See "On a few pitfalls in KL divergence gradient estimation for RL" by Yunhao Ta
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -22,8 +24,9 @@ from torch import Tensor
 def sum_from_here(x: Tensor) -> Tensor:
     """``out[:, t] = sum_{u >= t} x[:, u]`` (reverse cumulative sum over tokens), as the row total
     minus the sum before t: two flips would cost more than the sum (absolute error a few ulps of
-    the row's partial sums)."""
-    return x.sum(-1, keepdim=True) - (x.cumsum(-1) - x)
+    the row's partial sums). One new tensor: the rest is done in place on the cumulative sum."""
+    before = x.cumsum(-1).sub_(x)
+    return before.neg_().add_(x.sum(-1, keepdim=True))
 
 
 def sum_after(x: Tensor) -> Tensor:
@@ -47,35 +50,67 @@ def prefix_weights(log_w: Tensor | None, *, inclusive: bool) -> Tensor | float:
 
 def first_token(valid: Tensor) -> Tensor:
     """Column of each row's first valid token, ``[rows]`` (0 for a row with none)."""
-    return valid.view(torch.uint8).argmax(-1)  # a view: bool and uint8 share a layout
+    t = valid.shape[-1]
+    if t == 0:
+        return torch.zeros(valid.shape[:-1], dtype=torch.int64, device=valid.device)
+    # The largest T - column over the valid columns is T - first (0 for an empty row). Integer
+    # products and a max reduce are several times faster than argmax over bools on the CPU.
+    to_end = torch.arange(t, 0, -1, dtype=torch.int32, device=valid.device)
+    return (t - (valid.view(torch.uint8) * to_end).amax(-1)).remainder_(t).long()
 
 
-def roll_rows(x: Tensor, shift: Tensor) -> Tensor:
-    """Roll row ``r`` of ``x`` ``[rows, T]`` left by ``shift[r]`` (in ``[0, T)``).
+class ShiftBuffer(NamedTuple):
+    """A zero-filled ``[rows, 2T]`` buffer and the half ``[rows, T]`` that holds the data."""
 
-    Each row of the result is a window of the row written twice (``unfold``), so only whole rows
-    are copied: no per-element index.
-    """
-    if x.shape[-1] == 0:
-        return x
-    doubled = torch.cat([x, x], -1)
-    windows = doubled.unfold(-1, x.shape[-1], 1)  # [rows, T + 1, T], a view
-    return windows[torch.arange(x.shape[0], device=x.device), shift]
+    padded: Tensor
+    data: Tensor
+
+    @staticmethod
+    def new(rows: int, t: int, *, data_first: bool, like: Tensor) -> ShiftBuffer:
+        """An uninitialised data half (the left one if ``data_first``) and a zeroed other half,
+        of ``like``'s dtype and device: write the data in place, then take :meth:`windows`."""
+        padded = like.new_empty(rows, 2 * t)
+        left, right = padded[:, :t], padded[:, t:]
+        data, zeros = (left, right) if data_first else (right, left)
+        zeros.zero_()
+        return ShiftBuffer(padded, data)
+
+    def windows(self, start: Tensor) -> Tensor:
+        """Row ``r``'s columns ``[start[r], start[r] + T)`` of the padded buffer, ``[rows, T]``.
+
+        Each window is a contiguous slice of its row (``unfold``): only whole rows are copied.
+        """
+        t = self.data.shape[-1]
+        rows = torch.arange(self.padded.shape[0], device=self.padded.device)
+        return self.padded.unfold(-1, t, 1)[rows, start]
 
 
 def align_left(x: Tensor, valid: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
-    """Roll each row so that its first valid token is in column 0 (``[rows, T]``).
+    """Shift each row left so that its first valid token is in column 0 (``[rows, T]``).
 
     Left- and right-padded layouts of one batch give the same result: per-position statistics
-    (baselines) computed on it compare the t-th token of every completion. The columns rolled in
-    past a row's end are its leading padding, so they stay invalid. Returns the rolled values and
-    validity (values at invalid positions are ``x``'s own: pass ``x`` masked). ``first`` is
+    (baselines) computed on it compare the t-th token of every completion. The columns shifted
+    in past a row's end are invalid and 0. Returns the shifted values and validity. ``first`` is
     :func:`first_token` of ``valid``.
     """
-    return roll_rows(x, first), roll_rows(valid, first)
+    rows, t = x.shape
+    if t == 0:
+        return x, valid
+    values, flags = (
+        ShiftBuffer.new(rows, t, data_first=True, like=x),
+        ShiftBuffer.new(rows, t, data_first=True, like=valid),
+    )
+    values.data.copy_(x)
+    flags.data.copy_(valid)
+    return values.windows(first), flags.windows(first)
 
 
 def unalign(aligned: Tensor, first: Tensor) -> Tensor:
-    """Undo :func:`align_left`: each row's column ``c`` takes aligned column ``c - first``."""
-    t = aligned.shape[-1]
-    return roll_rows(aligned, (t - first) % max(t, 1))
+    """Undo :func:`align_left`: each row's column ``c`` takes aligned column ``c - first`` (0
+    for ``c < first``, the row's leading padding)."""
+    rows, t = aligned.shape
+    if t == 0:
+        return aligned
+    out = ShiftBuffer.new(rows, t, data_first=False, like=aligned)
+    out.data.copy_(aligned)
+    return out.windows(t - first)
