@@ -14,8 +14,9 @@ and prints a table. Cases, with validation on (klest's default):
 * ``k1``: ``klest.k1(..., reduction="none")`` on 10M samples against ``logp - logp_ref``, and the
   default (mean) reduction against ``(logp - logp_ref).mean()``.
 
-Times are medians of repeated calls after warm-up (CUDA: synchronized wall time, so the host
-time of the call counts); ``--quick`` shrinks the sizes (a smoke test).
+Times are medians of repeated calls after warm-up, klest's and the baseline's calls interleaved
+(CUDA: synchronized wall time, so the host time of the call counts); ``--quick`` shrinks the
+sizes (a smoke test).
 """
 
 from __future__ import annotations
@@ -45,23 +46,30 @@ def plain_penalty(logp, logp_ref, mask, group_size):
     return value.detach() + surrogate - surrogate.detach()
 
 
-def _time(fn: Callable[[], object], device: str, reps: int) -> list[float]:
-    for _ in range(3):
-        fn()
-    seconds = []
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(methods: dict[str, Callable[[], object]], device: str, reps: int) -> dict[str, list]:
+    """Seconds of each call, the methods interleaved (each repetition calls every method once,
+    in turn), so that a change in the machine's load reaches all of them alike."""
+    for fn in methods.values():
+        for _ in range(3):
+            fn()
+    seconds: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
+        for m, fn in methods.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            seconds[m].append(time.perf_counter() - start)
     return seconds
 
 
 def _case(name: str, methods: dict[str, Callable[[], object]], tokens: int, device: str, reps):
-    runs = {m: _time(fn, device, reps) for m, fn in methods.items()}
+    runs = _time(methods, device, reps)
     base = statistics.median(next(iter(runs.values())))
     return {
         "case": name,

@@ -50,15 +50,13 @@ def test_alignment_at_the_first_valid_token_round_trips():
     assert torch.equal(torch.where(valid, unalign(rolled, first), 0.0), torch.where(valid, x, 0.0))
 
 
-def test_shift_buffer_windows_are_row_slices_with_zeros_shifted_in():
+def test_shift_buffer_shifts_each_row_by_its_own_offset_with_zeros_shifted_in():
     x = torch.arange(1.0, 25.0).reshape(4, 6)
-    start = torch.tensor([0, 1, 5, 6])
-    left = ShiftBuffer.new(4, 6, data_first=True, like=x)
-    left.data.copy_(x)
-    right = ShiftBuffer.new(4, 6, data_first=False, like=x)
-    right.data.copy_(x)
-    got_left, got_right = left.windows(start), right.windows(start)
+    shift = torch.tensor([0, 1, 5, 6])
+    buffer = ShiftBuffer(4, 6, like=x)
+    buffer.data.copy_(x)
+    left, right = buffer.shifted_left(shift), buffer.shifted_right(shift)
     for r in range(4):
-        s = int(start[r])
-        assert got_left[r].tolist() == x[r, s:].tolist() + [0.0] * s
-        assert got_right[r].tolist() == [0.0] * (6 - s) + x[r, :s].tolist()
+        s = int(shift[r])
+        assert left[r].tolist() == x[r, s:].tolist() + [0.0] * s
+        assert right[r].tolist() == [0.0] * s + x[r, : 6 - s].tolist()

@@ -51,7 +51,7 @@ def _series_or_direct(x: Tensor, series: _Series, direct) -> Tensor:
         small = x.abs() < series.radius
         xs = torch.where(small, x, torch.zeros_like(x))
         xd = torch.where(small, torch.ones_like(x), x)
-        return torch.where(small, _horner(coeffs, xs, in_place=False), direct(xd))
+        return torch.where(small, _inner(coeffs, xs, in_place=False) * xs * xs, direct(xd))
     # Without one, the branches are blended by a 0/1 float weight (float arithmetic runs several
     # times faster than bool masks on the CPU): direct(x) * far + polynomial(x * near), where
     # direct(x) is finite wherever near (or x's own inf / NaN) and the polynomial is exactly 0
@@ -60,16 +60,18 @@ def _series_or_direct(x: Tensor, series: _Series, direct) -> Tensor:
     far = x.abs().ge_(series.radius)
     clamped = x.clamp(-series.radius, series.radius)
     near = clamped.addcmul_(clamped, far, value=-1.0)  # x where near, exactly 0 where far
-    return direct(x).mul_(far).add_(_horner(coeffs, near, in_place=True))
+    out = direct(x).mul_(far)
+    del far  # fewer live temporaries: less memory to touch
+    return out.addcmul_(_inner(coeffs, near, in_place=True).mul_(near), near)
 
 
-def _horner(coeffs: tuple[float, ...], x: Tensor, *, in_place: bool) -> Tensor:
-    """``x^2 (c_0 + c_1 x + ...)``: acc = c_{n-1} + c_n x, then acc = c + acc x (one fused pass
-    each; in place when no graph is recorded)."""
+def _inner(coeffs: tuple[float, ...], x: Tensor, *, in_place: bool) -> Tensor:
+    """``c_0 + c_1 x + ...`` (the series is x^2 times it) by Horner: acc = c_{n-1} + c_n x, then
+    acc = c + acc x (one fused pass each; in place when no graph is recorded)."""
     acc = torch.add(_scalar(coeffs[-2], x), x, alpha=coeffs[-1])
     for c in reversed(coeffs[:-2]):
         acc = torch.addcmul(_scalar(c, x), acc, x, out=acc if in_place else None)
-    return acc.mul_(x).mul_(x) if in_place else acc * x * x
+    return acc
 
 
 def _scalar(c: float, like: Tensor) -> Tensor:

@@ -209,6 +209,10 @@ def diagnostics(
     )
 
 
+_PAIRWISE_ROWS = 1024
+"""Up to this many rows, group keys come from the table of equal ids (at most 1 MiB)."""
+
+
 def group_keys(group: Tensor) -> Tensor:
     """For each row, the index of the first row of its group: ``[rows]`` keys in ``[0, rows)``.
 
@@ -218,6 +222,10 @@ def group_keys(group: Tensor) -> Tensor:
     rows = group.numel()
     if rows == 0:
         return group.to(torch.int64)
+    if rows <= _PAIRWISE_ROWS:
+        # The first True of each row of the [rows, rows] equality table: two operations.
+        same = group.reshape(-1, 1) == group.reshape(1, -1)
+        return same.view(torch.uint8).argmax(-1)
     sorted_ids, order = torch.sort(group, stable=True)
     starts = torch.ones(rows, dtype=torch.bool, device=group.device)
     starts[1:] = sorted_ids[1:] != sorted_ids[:-1]

@@ -15,8 +15,6 @@ See "On a few pitfalls in KL divergence gradient estimation for RL" by Yunhao Ta
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 from torch import Tensor
 
@@ -59,30 +57,39 @@ def first_token(valid: Tensor) -> Tensor:
     return (t - (valid.view(torch.uint8) * to_end).amax(-1)).remainder_(t).long()
 
 
-class ShiftBuffer(NamedTuple):
-    """A zero-filled ``[rows, 2T]`` buffer and the half ``[rows, T]`` that holds the data."""
+class ShiftBuffer:
+    """Rows ``[rows, T]`` laid out between blocks of T zeros, to shift each row by its own offset.
 
-    padded: Tensor
-    data: Tensor
+    The flat buffer is ``0 | row 0 | 0 | row 1 | ... | row R-1 | 0`` (each block T long), so
+    row r shifted left by ``s`` (zeros shifted in at the end) is the T values from
+    ``row r``'s column ``s`` on, and shifted right by ``s`` (zeros shifted in at the start) the
+    T values ending ``s`` before its end: windows of one flat view (``unfold``), picked with an
+    ``index_select`` of whole rows (contiguous copies; about 2x faster than advanced indexing
+    on the CPU). Write the rows into :attr:`data` in place; it can be rewritten between shifts.
+    """
 
-    @staticmethod
-    def new(rows: int, t: int, *, data_first: bool, like: Tensor) -> ShiftBuffer:
-        """An uninitialised data half (the left one if ``data_first``) and a zeroed other half,
-        of ``like``'s dtype and device: write the data in place, then take :meth:`windows`."""
-        padded = like.new_empty(rows, 2 * t)
-        left, right = padded[:, :t], padded[:, t:]
-        data, zeros = (left, right) if data_first else (right, left)
-        zeros.zero_()
-        return ShiftBuffer(padded, data)
+    def __init__(self, rows: int, t: int, *, like: Tensor) -> None:
+        self.rows, self.t = rows, t
+        self.flat = like.new_empty((2 * rows + 1) * t)
+        blocks = self.flat.view(2 * rows + 1, t)
+        blocks[0::2].zero_()
+        self.data = blocks[1::2]  # [rows, T], a view
 
-    def windows(self, start: Tensor) -> Tensor:
-        """Row ``r``'s columns ``[start[r], start[r] + T)`` of the padded buffer, ``[rows, T]``.
+    def shifted_left(self, shift: Tensor) -> Tensor:
+        """Row r's values from column ``shift[r]`` on, then zeros: ``[rows, T]``."""
+        return self._windows(shift)
 
-        Each window is a contiguous slice of its row (``unfold``): only whole rows are copied.
-        """
-        t = self.data.shape[-1]
-        rows = torch.arange(self.padded.shape[0], device=self.padded.device)
-        return self.padded.unfold(-1, t, 1)[rows, start]
+    def shifted_right(self, shift: Tensor) -> Tensor:
+        """``shift[r]`` zeros, then row r's first ``T - shift[r]`` values: ``[rows, T]``."""
+        return self._windows(-shift)
+
+    def _windows(self, offset: Tensor) -> Tensor:
+        if self.rows == 0 or self.t == 0:
+            return self.data.clone()
+        starts = torch.arange(
+            self.t, (2 * self.rows + 1) * self.t, 2 * self.t, device=offset.device
+        )
+        return self.flat.unfold(0, self.t, 1).index_select(0, starts + offset)
 
 
 def align_left(x: Tensor, valid: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
@@ -94,23 +101,15 @@ def align_left(x: Tensor, valid: Tensor, first: Tensor) -> tuple[Tensor, Tensor]
     :func:`first_token` of ``valid``.
     """
     rows, t = x.shape
-    if t == 0:
-        return x, valid
-    values, flags = (
-        ShiftBuffer.new(rows, t, data_first=True, like=x),
-        ShiftBuffer.new(rows, t, data_first=True, like=valid),
-    )
+    values, flags = ShiftBuffer(rows, t, like=x), ShiftBuffer(rows, t, like=valid)
     values.data.copy_(x)
     flags.data.copy_(valid)
-    return values.windows(first), flags.windows(first)
+    return values.shifted_left(first), flags.shifted_left(first)
 
 
 def unalign(aligned: Tensor, first: Tensor) -> Tensor:
     """Undo :func:`align_left`: each row's column ``c`` takes aligned column ``c - first`` (0
     for ``c < first``, the row's leading padding)."""
-    rows, t = aligned.shape
-    if t == 0:
-        return aligned
-    out = ShiftBuffer.new(rows, t, data_first=False, like=aligned)
+    out = ShiftBuffer(*aligned.shape, like=aligned)
     out.data.copy_(aligned)
-    return out.windows(t - first)
+    return out.shifted_right(first)

@@ -190,30 +190,32 @@ def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> T
     In ``targets``' dtype.
     """
     rows, t = targets.shape
+    # Counts in the narrowest integer type that holds the batch's rows: less memory to touch.
+    count_dtype = torch.uint8 if rows < 256 else torch.int16 if rows < 32768 else torch.int32
     if t > 1:  # the t-th token of every completion in column t (shifted left, zeros shifted in)
         first = first_token(valid)
-        values = ShiftBuffer.new(rows, t, data_first=True, like=targets)
+        values = ShiftBuffer(rows, t, like=targets)
         keep_valid_into(values.data, targets, valid)
-        flags = ShiftBuffer.new(rows, t, data_first=True, like=valid)
+        flags = ShiftBuffer(rows, t, like=valid)
         flags.data.copy_(valid)
-        x, valid = values.windows(first), flags.windows(first)
+        x, valid = values.shifted_left(first), flags.shifted_left(first)
+        del flags
     else:
         x = keep_valid(targets.detach(), valid)
-    counted = valid.view(torch.uint8).to(x.dtype)  # bytes 0 / 1: faster than a bool's conversion
+    counted = valid.view(torch.uint8).to(count_dtype)  # a bool is the byte 0 or 1
     # Per group, the sums over its rows: dense row additions (index_add_ along rows).
     sums = torch.zeros_like(x).index_add_(0, keys, x).index_select(0, keys)
-    counts = torch.zeros_like(x).index_add_(0, keys, counted).index_select(0, keys)
+    counts = torch.zeros_like(counted).index_add_(0, keys, counted).index_select(0, keys)
     if kind == "loo":
         # Without another valid row the group's sum is exactly this row's value: the baseline
         # is 0 / 1 = 0, with no select.
         sums.sub_(x)
         counts.sub_(counted)
-    counts.clamp_(min=1.0)
+    counts.clamp_(min=1)
     if t <= 1:
         return sums.div_(counts)
-    out = ShiftBuffer.new(rows, t, data_first=False, like=targets)
-    torch.div(sums, counts, out=out.data)
-    return out.windows(t - first)
+    torch.div(sums, counts, out=values.data)  # the buffer's rows are free again: reuse them
+    return values.shifted_right(first)
 
 
 def exact_kl_baseline(
