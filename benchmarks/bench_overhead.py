@@ -21,6 +21,7 @@ sizes (a smoke test).
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -176,8 +177,12 @@ def main() -> None:
         "reps": reps,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "quick": args.quick,
+        # Other processes and the C allocator move CPU timings: record both.
+        "load_average_before": os.getloadavg(),
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "cases": [penalty_case(b, t, device, reps), *k1_cases(n, device, reps)],
     }
+    report["load_average_after"] = os.getloadavg()
     name = f"overhead-{device}"
     write_report(name, report, _table(report), args.out)
     append_run(name, report, args.out)

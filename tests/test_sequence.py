@@ -50,6 +50,16 @@ def test_alignment_at_the_first_valid_token_round_trips():
     assert torch.equal(torch.where(valid, unalign(rolled, first), 0.0), torch.where(valid, x, 0.0))
 
 
+def test_first_token_is_the_first_true_column_or_0_for_an_empty_row():
+    g = make_generator(4)
+    for t in (1, 7, 2**15 + 3):  # int16 positions below 2^15 columns, int32 above
+        valid = torch.rand(6, t, generator=g) > 0.7
+        valid[0] = False
+        valid[1, : t // 2] = False
+        expected = [row.nonzero()[0].item() if row.any() else 0 for row in valid]
+        assert first_token(valid).tolist() == expected
+
+
 def test_shift_buffer_shifts_each_row_by_its_own_offset_with_zeros_shifted_in():
     x = torch.arange(1.0, 25.0).reshape(4, 6)
     shift = torch.tensor([0, 1, 5, 6])

@@ -91,7 +91,11 @@ class ValueChecks:
             return
         device = self._items[0][0].device
         with torch.no_grad():
-            anys = torch.stack([f.any().to(device) for f, _ in self._items]).tolist()
+            # Scalars (most checks reduce on the device first) need no any().
+            flags = [
+                f if f.dim() == 0 and f.dtype == torch.bool else f.any() for f, _ in self._items
+            ]
+            anys = torch.stack([f.to(device) for f in flags]).tolist()
         items, self._items = self._items, []
         for failed, (flags, message) in zip(anys, items, strict=True):
             if failed:
