@@ -1,4 +1,4 @@
-"""Zeroing the masked positions of a tensor: ``torch.where(valid, x, 0)``, several times faster.
+"""Zeroing the masked positions of a tensor: ``torch.where(valid, x, 0)``, 2-3x faster on the CPU.
 
 A mask is applied as a bitwise AND of the values' bits with all-ones (keep) or all-zeros (drop):
 exact for every value, NaN and infinities included (a dropped position becomes +0.0), and an
