@@ -9,6 +9,7 @@ for them, so the unselected branch never puts NaN into a gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -75,7 +76,14 @@ def _inner(coeffs: tuple[float, ...], x: Tensor, *, in_place: bool) -> Tensor:
 
 
 def _scalar(c: float, like: Tensor) -> Tensor:
-    return torch.tensor(c, dtype=like.dtype, device=like.device)
+    return _constant(c, like.dtype, like.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _constant(c: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-dim tensor of the series' coefficient, made once per dtype and device (a new
+    ``torch.tensor`` each call costs a few microseconds, and a series takes up to 16)."""
+    return torch.tensor(c, dtype=dtype, device=device)
 
 
 def exp_tail(x: Tensor) -> Tensor:

@@ -75,6 +75,11 @@ class ShiftBuffer:
         blocks = self.flat.view(2 * rows + 1, t)
         blocks[0::2].zero_()
         self.data = blocks[1::2]  # [rows, T], a view
+        # Where each row's data starts in the flat buffer, and every T-long window of it.
+        self._windows_view = self._starts = None
+        if rows and t:
+            self._starts = torch.arange(t, (2 * rows + 1) * t, 2 * t, device=self.flat.device)
+            self._windows_view = self.flat.unfold(0, t, 1)
 
     def shifted_left(self, shift: Tensor) -> Tensor:
         """Row r's values from column ``shift[r]`` on, then zeros: ``[rows, T]``."""
@@ -85,12 +90,9 @@ class ShiftBuffer:
         return self._windows(-shift)
 
     def _windows(self, offset: Tensor) -> Tensor:
-        if self.rows == 0 or self.t == 0:
+        if self._windows_view is None or self._starts is None:
             return self.data.clone()
-        starts = torch.arange(
-            self.t, (2 * self.rows + 1) * self.t, 2 * self.t, device=offset.device
-        )
-        return self.flat.unfold(0, self.t, 1).index_select(0, starts + offset)
+        return self._windows_view.index_select(0, self._starts + offset)
 
 
 def align_left(x: Tensor, valid: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
