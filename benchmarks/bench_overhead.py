@@ -1,6 +1,6 @@
 """What klest costs against the one-liner it replaces, on the sampled-token path (JSON out).
 
-    python benchmarks/bench_overhead.py [--quick] [--out DIR] [--device cpu|cuda]
+    python benchmarks/bench_overhead.py [--quick] [--out DIR] [--device cpu|cuda] [--threads N]
 
 Never a timed test: this writes medians and ratios against baselines measured in the same run to
 ``benchmarks/results/overhead-DEVICE.json`` (and appends the run to ``overhead-DEVICE.runs.jsonl``)
@@ -149,7 +149,8 @@ def k1_cases(n: int, device: str, reps: int) -> list[dict]:
 
 def _table(report: dict) -> str:
     lines = [
-        f"device: {report['device']}; medians of {report['reps']} calls; validation on\n",
+        f"device: {report['device']}; {report['threads']} thread(s); medians of "
+        f"{report['reps']} calls; validation on\n",
         "| case | tokens | method | time (ms) | x plain | tokens/s |",
         "|---|---|---|---|---|---|",
     ]
@@ -165,11 +166,18 @@ def _table(report: dict) -> str:
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (default: torch's); 1 keeps a shared machine's other processes from "
+        "stalling the multithreaded operations",
+    )
     args = ap.parse_args()
     device = args.device
     b, t, n, reps = (8, 256, 100_000, 5) if args.quick else (64, 4096, 10_000_000, 20)
     if device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        torch.set_num_threads(max(1, args.threads or torch.get_num_threads()))
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "torch": torch.__version__,
