@@ -1,6 +1,6 @@
 """What klest costs against the one-liner it replaces, on the sampled-token path (JSON out).
 
-    python benchmarks/bench_overhead.py [--quick] [--out DIR] [--device cpu|cuda]
+    python benchmarks/bench_overhead.py [--quick] [--out DIR] [--device cpu|cuda] [--threads N]
 
 Never a timed test: this writes medians and ratios against baselines measured in the same run to
 ``benchmarks/results/overhead-DEVICE.json`` (and appends the run to ``overhead-DEVICE.runs.jsonl``)
@@ -14,12 +14,14 @@ and prints a table. Cases, with validation on (klest's default):
 * ``k1``: ``klest.k1(..., reduction="none")`` on 10M samples against ``logp - logp_ref``, and the
   default (mean) reduction against ``(logp - logp_ref).mean()``.
 
-Times are medians of repeated calls after warm-up (CUDA: synchronized wall time, so the host
-time of the call counts); ``--quick`` shrinks the sizes (a smoke test).
+Times are medians of repeated calls after warm-up, klest's and the baseline's calls interleaved
+(CUDA: synchronized wall time, so the host time of the call counts); ``--quick`` shrinks the
+sizes (a smoke test).
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import statistics
 import time
@@ -45,23 +47,30 @@ def plain_penalty(logp, logp_ref, mask, group_size):
     return value.detach() + surrogate - surrogate.detach()
 
 
-def _time(fn: Callable[[], object], device: str, reps: int) -> list[float]:
-    for _ in range(3):
-        fn()
-    seconds = []
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(methods: dict[str, Callable[[], object]], device: str, reps: int) -> dict[str, list]:
+    """Seconds of each call, the methods interleaved (each repetition calls every method once,
+    in turn), so that a change in the machine's load reaches all of them alike."""
+    for fn in methods.values():
+        for _ in range(3):
+            fn()
+    seconds: dict[str, list[float]] = {m: [] for m in methods}
     for _ in range(reps):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        seconds.append(time.perf_counter() - start)
+        for m, fn in methods.items():
+            _sync(device)
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            seconds[m].append(time.perf_counter() - start)
     return seconds
 
 
 def _case(name: str, methods: dict[str, Callable[[], object]], tokens: int, device: str, reps):
-    runs = {m: _time(fn, device, reps) for m, fn in methods.items()}
+    runs = _time(methods, device, reps)
     base = statistics.median(next(iter(runs.values())))
     return {
         "case": name,
@@ -140,7 +149,8 @@ def k1_cases(n: int, device: str, reps: int) -> list[dict]:
 
 def _table(report: dict) -> str:
     lines = [
-        f"device: {report['device']}; medians of {report['reps']} calls; validation on\n",
+        f"device: {report['device']}; {report['threads']} thread(s); medians of "
+        f"{report['reps']} calls; validation on\n",
         "| case | tokens | method | time (ms) | x plain | tokens/s |",
         "|---|---|---|---|---|---|",
     ]
@@ -156,11 +166,18 @@ def _table(report: dict) -> str:
 def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="CPU threads (default: torch's); 1 keeps a shared machine's other processes from "
+        "stalling the multithreaded operations",
+    )
     args = ap.parse_args()
     device = args.device
     b, t, n, reps = (8, 256, 100_000, 5) if args.quick else (64, 4096, 10_000_000, 20)
     if device == "cpu":
-        torch.set_num_threads(max(1, torch.get_num_threads()))
+        torch.set_num_threads(max(1, args.threads or torch.get_num_threads()))
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "torch": torch.__version__,
@@ -168,8 +185,12 @@ def main() -> None:
         "reps": reps,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "quick": args.quick,
+        # Other processes and the C allocator move CPU timings: record both.
+        "load_average_before": os.getloadavg(),
+        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
         "cases": [penalty_case(b, t, device, reps), *k1_cases(n, device, reps)],
     }
+    report["load_average_after"] = os.getloadavg()
     name = f"overhead-{device}"
     write_report(name, report, _table(report), args.out)
     append_run(name, report, args.out)

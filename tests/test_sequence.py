@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from klest.sequence import (
+    ShiftBuffer,
     align_left,
     first_token,
     prefix_weights,
-    roll_rows,
     sum_after,
     sum_from_here,
     unalign,
@@ -50,9 +50,23 @@ def test_alignment_at_the_first_valid_token_round_trips():
     assert torch.equal(torch.where(valid, unalign(rolled, first), 0.0), torch.where(valid, x, 0.0))
 
 
-def test_roll_rows_matches_torch_roll_per_row():
-    x = torch.arange(24.0).reshape(4, 6)
-    shift = torch.tensor([0, 1, 5, 3])
-    got = roll_rows(x, shift)
+def test_first_token_is_the_first_true_column_or_0_for_an_empty_row():
+    g = make_generator(4)
+    for t in (1, 7, 2**15 + 3):  # int16 positions below 2^15 columns, int32 above
+        valid = torch.rand(6, t, generator=g) > 0.7
+        valid[0] = False
+        valid[1, : t // 2] = False
+        expected = [row.nonzero()[0].item() if row.any() else 0 for row in valid]
+        assert first_token(valid).tolist() == expected
+
+
+def test_shift_buffer_shifts_each_row_by_its_own_offset_with_zeros_shifted_in():
+    x = torch.arange(1.0, 25.0).reshape(4, 6)
+    shift = torch.tensor([0, 1, 5, 6])
+    buffer = ShiftBuffer(4, 6, like=x)
+    buffer.data.copy_(x)
+    left, right = buffer.shifted_left(shift), buffer.shifted_right(shift)
     for r in range(4):
-        assert torch.equal(got[r], torch.roll(x[r], -int(shift[r])))
+        s = int(shift[r])
+        assert left[r].tolist() == x[r, s:].tolist() + [0.0] * s
+        assert right[r].tolist() == [0.0] * s + x[r, : 6 - s].tolist()

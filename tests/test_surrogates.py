@@ -83,6 +83,17 @@ def test_group_keys_and_sizes():
     assert group_keys(torch.zeros(0, dtype=torch.int64)).numel() == 0
 
 
+def test_group_keys_of_small_and_large_batches_are_each_groups_first_row():
+    """Up to 1024 rows the keys come from a table of equal ids, above it from a sort."""
+    g = make_generator(3)
+    for rows in (5, 1024, 1025, 3000):
+        group = torch.randint(0, max(rows // 7, 1), (rows,), generator=g) * 3 - 11
+        first_row = {}
+        for r, gid in enumerate(group.tolist()):
+            first_row.setdefault(gid, r)
+        assert group_keys(group).tolist() == [first_row[gid] for gid in group.tolist()]
+
+
 def brute_ema(batches, decay):
     """The baseline each batch gets: per position, the decayed mean of earlier batches' means
     over their valid rows, bias-corrected; positions never seen give 0."""

@@ -102,7 +102,11 @@ class ValueChecks:
             return
         device = self._items[0][0].device
         with torch.no_grad():
-            anys = torch.stack([f.any().to(device) for f, _, _ in self._items]).tolist()
+            # Scalars (most checks reduce on the device first) need no any().
+            flags = [
+                f if f.dim() == 0 and f.dtype == torch.bool else f.any() for f, _, _ in self._items
+            ]
+            anys = torch.stack([f.to(device) for f in flags]).tolist()
         items, self._items = self._items, []
         warned = []
         for failed, (flags, message, key) in zip(anys, items, strict=True):
@@ -312,9 +316,11 @@ def check_log_probs(
     rounding_of = x.dtype if rounding_of is None else rounding_of
     tol = math.inf if density else _POSITIVE_LOGP_TOL.get(rounding_of, _POSITIVE_LOGP_TOL_DEFAULT)
     lo, hi = torch.aminmax(x)
-    bad = ~(hi < math.inf) | (hi > tol)  # NaN, +inf, or above 0
+    # NaN fails every comparison; +inf fails both (with tol = inf only the strict one).
+    ok = hi < math.inf if tol == math.inf else hi <= tol
     if not allow_neg_inf:
-        bad = bad | (lo == -math.inf)
+        ok = ok & (lo > -math.inf)
+    bad = ~ok
 
     def message(_: Tensor) -> str:
         k = torch.ones_like(x, dtype=torch.bool)
@@ -338,7 +344,9 @@ def check_log_probs(
 
 def check_finite_surrogate(surrogate: Tensor, checks: ValueChecks, explain: Callable[[], str]):
     """Queue: the gradient surrogate is finite (else its gradient, and the loss, would be NaN)."""
-    checks.add(~torch.isfinite(surrogate), lambda _: explain())
+    if checks.enabled:
+        s = surrogate.detach()
+        checks.add((s - s).ne_(0.0), lambda _: explain())  # inf - inf and NaN - NaN are NaN
 
 
 # -- logits -------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ for them, so the unselected branch never puts NaN into a gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -45,29 +46,56 @@ _XEXP_TAIL_SERIES = _Series(_XEXP_TAIL, 0.5, {torch.float64: 17}, 9)
 
 def _series_or_direct(x: Tensor, series: _Series, direct) -> Tensor:
     coeffs = series.coeffs[: series.degree.get(x.dtype, series.default_degree) - 1]
-    small = x.abs() < series.radius
-    needs_graph = torch.is_grad_enabled() and x.requires_grad
-    # With a graph, each branch sees only inputs valid for it (the unselected branch's backward
-    # would otherwise put inf * 0 = NaN into the gradient); without one, both see x as it is.
-    xs = torch.where(small, x, torch.zeros_like(x)) if needs_graph else x
-    # Horner: acc = c_{n-1} + c_n x, then acc = c + acc x (one fused pass each; in place when no
-    # graph is recorded).
-    acc = torch.add(_scalar(coeffs[-2], xs), xs, alpha=coeffs[-1])
+    if torch.is_grad_enabled() and x.requires_grad:
+        # With a graph, each branch sees only inputs valid for it (the unselected branch's
+        # backward would otherwise put inf * 0 = NaN into the gradient).
+        small = x.abs() < series.radius
+        xs = torch.where(small, x, torch.zeros_like(x))
+        xd = torch.where(small, torch.ones_like(x), x)
+        return torch.where(small, _inner(coeffs, xs, in_place=False) * xs * xs, direct(xd))
+    # Without one, the branches are blended by a 0/1 float weight (float arithmetic runs several
+    # times faster than bool masks on the CPU): direct(x) * far + polynomial(x * near), where
+    # direct(x) is finite wherever near (or x's own inf / NaN) and the polynomial is exactly 0
+    # where far (its input is 0 there, with x clamped first so no inf meets the 0): exactly one
+    # branch or the other.
+    far = x.abs().ge_(series.radius)
+    clamped = x.clamp(-series.radius, series.radius)
+    near = clamped.addcmul_(clamped, far, value=-1.0)  # x where near, exactly 0 where far
+    out = direct(x).mul_(far)
+    del far  # fewer live temporaries: less memory to touch
+    return out.addcmul_(_inner(coeffs, near, in_place=True).mul_(near), near)
+
+
+def _inner(coeffs: tuple[float, ...], x: Tensor, *, in_place: bool) -> Tensor:
+    """``c_0 + c_1 x + ...`` (the series is x^2 times it) by Horner: acc = c_{n-1} + c_n x, then
+    acc = c + acc x (one fused pass each; in place when no graph is recorded)."""
+    acc = torch.add(_scalar(coeffs[-2], x), x, alpha=coeffs[-1])
     for c in reversed(coeffs[:-2]):
-        out = None if needs_graph else acc
-        acc = torch.addcmul(_scalar(c, xs), acc, xs, out=out)
-    polynomial = acc * xs * xs if needs_graph else acc.mul_(xs).mul_(xs)
-    xd = torch.where(small, torch.ones_like(x), x) if needs_graph else x
-    return torch.where(small, polynomial, direct(xd))
+        acc = torch.addcmul(_scalar(c, x), acc, x, out=acc if in_place else None)
+    return acc
 
 
 def _scalar(c: float, like: Tensor) -> Tensor:
-    return torch.tensor(c, dtype=like.dtype, device=like.device)
+    return _constant(c, like.dtype, like.device)
+
+
+@functools.lru_cache(maxsize=256)
+def _constant(c: float, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A 0-dim tensor of the series' coefficient, made once per dtype and device (a new
+    ``torch.tensor`` each call costs a few microseconds, and a series takes up to 16)."""
+    return torch.tensor(c, dtype=dtype, device=device)
 
 
 def exp_tail(x: Tensor) -> Tensor:
     """``e^x - 1 - x``, accurate to a few ulp for every x (>= 0; +inf only past overflow)."""
-    return _series_or_direct(x, _EXP_TAIL_SERIES, lambda z: torch.expm1(z) - z)
+    return _series_or_direct(x, _EXP_TAIL_SERIES, _expm1_minus_identity)
+
+
+def _expm1_minus_identity(z: Tensor) -> Tensor:
+    """``expm1(z) - z``, in place on ``expm1``'s result when no graph is recorded."""
+    if torch.is_grad_enabled() and z.requires_grad:
+        return torch.expm1(z) - z
+    return torch.expm1(z).sub_(z)
 
 
 def xexp_tail(x: Tensor) -> Tensor:

@@ -63,6 +63,7 @@ from klest._checks import (
     first_bad,
     resolve_validate,
 )
+from klest._masks import keep_valid, mask_bits
 from klest._numerics import exp_tail, times_exp, x_exp, xexp_tail
 from klest._types import DEFAULT_REDUCTION, AlphaFit, Direction, Estimator, Level, Reduction
 from klest.aggregation import (
@@ -138,11 +139,12 @@ def prepare_log_ratios(
         keep = check_mask(mask, logp.shape, logp.device, checks, of="the log-probs")
     dtype = compute_dtype(logp, logp_ref, logp_behavior)
     valid = None if keep is None else as_rows(keep)
+    bits = None if valid is None else mask_bits(valid, dtype)
 
     def rows(x: Tensor) -> Tensor:
         """``[rows, T]`` in the compute dtype, 0 under the mask (which may hold anything)."""
         x = as_rows(x).to(dtype)
-        return x if valid is None else torch.where(valid, x, 0.0)
+        return x if valid is None else keep_valid(x, valid, bits)
 
     lp, lr = rows(logp), rows(logp_ref)
     # Checked on the masked tensors (a 0 there passes every check), in the caller's layout.
@@ -405,7 +407,8 @@ def estimate_rows(
     else:
         values = per_token_values(lr.delta, estimator, direction)
     values = weighted(values, lr.log_w)
-    if lr.valid is not None:
+    # delta is 0 at masked positions, where k1, k2, k3 and abs are exactly 0 already.
+    if lr.valid is not None and (estimator == "cv" or lr.log_w is not None):
         values = torch.where(lr.valid, values, 0.0)
     return Estimate(values, lr.valid, lr.shape, coef)
 

@@ -175,9 +175,10 @@ class SurrogateInputs:
 
     def score_estimate(self, coef: Tensor) -> Estimate:
         """``log pi`` of each valid token times a detached coefficient ``[rows, T]`` (or
-        ``[rows, 1]``), masked once on the coefficient: ``logp_rows`` is already 0 there."""
-        if self.lr.valid is not None:
-            coef = torch.where(self.lr.valid, coef, 0.0)
+        ``[rows, 1]``). Not masked again: ``logp_rows`` is 0 at masked positions, where the mask
+        that zeroed it passes no gradient, and a coefficient there is finite unless one at a
+        valid position is not (it repeats the targets of the valid positions after it, and
+        weights and baselines of earlier ones), which the surrogate check reports."""
         return Estimate(self.logp_rows * coef, self.lr.valid, self.lr.shape)
 
     def unweighted(self, target: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
@@ -262,7 +263,7 @@ def _cumulative(x: SurrogateInputs) -> Estimate:
     if x.on_policy:
         # KL(pi||ref): the log-ratios to go; KL(ref||pi): the prefix ratio R_{<=t}.
         target = sum_from_here(d) if x.direction == "pi||ref" else torch.exp(-d.cumsum(-1))
-        coef = target - x.baseline_for(target, x.lr.valid)
+        coef = target.sub_(x.baseline_for(target, x.lr.valid))  # target is ours: in place
     else:
         w = prefix_weights(x.lr.log_w, inclusive=True)
         if x.direction == "pi||ref":
