@@ -56,10 +56,14 @@ def test_wheel_installs_and_imports_in_a_fresh_virtualenv(tmp_path):
     ).stdout.strip()
     torch_dir = Path(sysconfig.get_paths()["purelib"])
     Path(purelib, "host_torch.pth").write_text(f"{torch_dir}\n")
+    # Without the caller's PYTHONPATH, which could put a checkout's sources before the wheel
+    # (and its egg-info would make pip skip the install as "already satisfied").
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run(
         [str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)],
         check=True,
         capture_output=True,
+        env=clean,
     )
     code = (
         "import sys, torch, klest, klest.nn, klest.logits, klest.testbeds, klest.integrations\n"
@@ -70,7 +74,5 @@ def test_wheel_installs_and_imports_in_a_fresh_virtualenv(tmp_path):
         "assert not {'transformers', 'trl', 'verl', 'openrlhf'} & set(sys.modules)\n"
         "print('ok')\n"
     )
-    # Without the caller's PYTHONPATH, which could put a checkout's sources before the wheel.
-    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, env=clean)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
