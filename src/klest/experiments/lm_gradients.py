@@ -19,6 +19,9 @@ Kullback-Leibler Divergence Between Language Models" by Afra Amini, Tim Vieira a
 Cotterell, NeurIPS 2025, https://arxiv.org/abs/2504.10637): autodiff of k1 has mean zero;
 autodiff of k3 and the token-level gradient are biased; score, cumulative and rb are unbiased;
 rb has the lowest MSE.
+
+Full size: ``klest run lm-gradients`` (1000 batches per estimator and setting): about 3 minutes
+on a busy 2-core machine (179 s measured).
 """
 
 from __future__ import annotations
