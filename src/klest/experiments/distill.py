@@ -59,9 +59,9 @@ https://arxiv.org/abs/2605.07865), the exact-KL control variate; "Better Estimat
 Kullback-Leibler Divergence Between Language Models" by Afra Amini, Tim Vieira and Ryan
 Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637), the Rao-Blackwellized estimates.
 
-Full size: ``klest run distill`` (3 seeds, 2 starts, 8 methods, 60 steps of 8 prompts x 8
-completions, 192 held-out samples per evaluation every 10 steps): 7.3 and 7.7 minutes (two runs)
-on a busy 2-core machine with the models already trained (training them once takes about a minute
+Full size: ``klest run distill`` (3 seeds, 2 starts, 8 methods, 150 steps of 8 prompts x 8
+completions, 192 held-out samples per evaluation every 10 steps): 16 minutes (962 s measured) on a
+busy 2-core machine with the models already trained (training them once takes about a minute
 more). ``--quick`` (smaller models trained in a temporary folder, one seed, 6 steps at lr 3e-3)
 takes about 15 CPU-seconds.
 """
@@ -204,7 +204,7 @@ FULL = Sizes(
     300,
     (Start("high KL", 0), Start("low KL", 40)),
     seeds=3,
-    steps=60,
+    steps=150,
     prompts=8,
     samples=8,
     eval_every=10,
