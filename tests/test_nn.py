@@ -120,3 +120,28 @@ def test_moving_averages_stay_float64_under_a_model_cast_and_freeze_in_eval():
     module.train()
     module(s.logp, s.logp_ref, mask=s.mask)
     assert not torch.equal(before["alpha_ema.moments"], module.alpha_ema.moments)
+
+
+def test_kl_penalty_module_with_a_fitted_loo_scale_matches_the_function_over_batches():
+    """``baseline="loo-ema"`` keeps a :class:`klest.LooScaleEMA` as a submodule: over several
+    batches its gradients equal ``kl_penalty`` with an independent state of the same decay, and
+    the state is in ``state_dict``."""
+    testbed = make("tabular")
+    params = testbed.parameters()
+    module = KLPenalty(grad="cumulative", baseline="loo-ema", baseline_decay=0.5)
+    state = klest.LooScaleEMA(decay=0.5)
+    for s in range(4):
+        b = testbed.sample(8, generator=make_generator(s))
+        group = torch.arange(8) // 4
+        (got,) = torch.autograd.grad(
+            module(b.logp, b.logp_ref, mask=b.mask, group=group), params, retain_graph=True
+        )
+        want_loss = klest.kl_penalty(
+            b.logp, b.logp_ref, mask=b.mask, group=group, baseline=state, grad="cumulative"
+        )
+        (want,) = torch.autograd.grad(want_loss, params)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert isinstance(module.baseline_ema, klest.LooScaleEMA)
+    assert set(module.state_dict()) == {f"baseline_ema.{k}" for k in state.state_dict()}
+    with pytest.raises(ValueError, match="baseline"):
+        KLPenalty(baseline="loo-emma")

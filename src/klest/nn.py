@@ -12,7 +12,7 @@ Each module fixes a function's options at construction and takes the tensors in 
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 from torch import Tensor, nn
 
@@ -27,12 +27,16 @@ from klest._types import (
     Level,
     Reduction,
 )
+from klest.adaptive import LooScaleEMA
 from klest.aggregation import WithDetails
 from klest.control_variates import AlphaEMA
 from klest.estimators import Alpha, check_level
 from klest.logits import LogitsDetails, kl_from_hidden, kl_from_logits
 from klest.penalty import PenaltyDetails, kl_penalty
 from klest.surrogates import BaselineEMA
+
+_STATE_BASELINES = {"ema": BaselineEMA, "loo-ema": LooScaleEMA}
+"""Baselines that learn over batches: their state is a submodule (saved in ``state_dict``)."""
 
 
 class KLPenalty(nn.Module):
@@ -49,9 +53,12 @@ class KLPenalty(nn.Module):
       grad: the gradient estimator (default ``"cumulative"``).
       direction: ``"pi||ref"`` or ``"ref||pi"``.
       reduction: as in :func:`klest.kl_penalty`.
-      baseline: ``"loo"``, ``"mean"``, ``"ema"`` (a :class:`~klest.BaselineEMA` submodule with
-        ``baseline_decay``), or a ``BaselineEMA`` to use.
-      baseline_decay: decay of the ``"ema"`` baseline.
+      baseline: ``"loo"``, ``"mean"``, ``"loo-fitted"``, ``"exact-kl"``, ``"exact-kl+loo"``;
+        ``"ema"`` (a :class:`~klest.BaselineEMA` submodule with ``baseline_decay``) or
+        ``"loo-ema"`` (a :class:`~klest.LooScaleEMA` submodule with ``baseline_decay``: the
+        leave-one-out baseline times a scale fitted on earlier batches); or a ``BaselineEMA``
+        / ``LooScaleEMA`` to use.
+      baseline_decay: decay of the ``"ema"`` / ``"loo-ema"`` state.
       alpha: for ``estimator="cv"``: a number, ``"loo"`` / ``"crossfit"`` / ``"in-sample"``,
         ``"ema"`` (an :class:`~klest.AlphaEMA` submodule) or an ``AlphaEMA``.
       alpha_decay: decay of the ``"ema"`` coefficient.
@@ -77,7 +84,7 @@ class KLPenalty(nn.Module):
         grad: Grad = "cumulative",
         direction: Direction = "pi||ref",
         reduction: Reduction = DEFAULT_REDUCTION,
-        baseline: Baseline | Literal["ema"] | BaselineEMA | None = None,
+        baseline: Baseline | Literal["ema", "loo-ema"] | BaselineEMA | LooScaleEMA | None = None,
         baseline_decay: float = 0.9,
         alpha: Alpha | Literal["ema"] | None = None,
         alpha_decay: float = 0.9,
@@ -95,8 +102,8 @@ class KLPenalty(nn.Module):
         self.reduction = check_choice("reduction", reduction, Reduction)
         check_level(level, reduction)
         self.level = level
-        if baseline is not None and not isinstance(baseline, BaselineEMA) and baseline != "ema":
-            check_choice("baseline", baseline, Baseline)
+        if baseline is not None and not isinstance(baseline, BaselineEMA | LooScaleEMA):
+            check_choice("baseline", baseline, (*get_args(Baseline), *_STATE_BASELINES))
         if alpha is not None and estimator != "cv":
             raise ValueError(f"alpha applies only to estimator='cv', not {estimator!r}")
         self.reparameterized = check_flag("reparameterized", reparameterized)
@@ -105,8 +112,12 @@ class KLPenalty(nn.Module):
         self.validate = validate
         # Moving-average states are submodules (their buffers are in state_dict); the other
         # choices are plain attributes.
-        self.baseline_ema = BaselineEMA(decay=baseline_decay) if baseline == "ema" else None
-        if isinstance(baseline, BaselineEMA):
+        self.baseline_ema = (
+            _STATE_BASELINES[baseline](decay=baseline_decay)
+            if isinstance(baseline, str) and baseline in _STATE_BASELINES
+            else None
+        )
+        if isinstance(baseline, BaselineEMA | LooScaleEMA):
             self.baseline_ema = baseline
         self.baseline_name = None if self.baseline_ema is not None else baseline
         self.alpha_ema = AlphaEMA(decay=alpha_decay) if alpha == "ema" else None
