@@ -724,3 +724,54 @@ def test_no_gradient_reaching_the_policy_warns_but_log_probs_from_logits_do_not(
         loss = klest.kl_penalty(d.logp, d.logp_ref, mask=s.mask, baseline="loo")
     loss.backward()
     assert logits.grad is not None and float(logits.grad.abs().max()) > 0
+
+
+def right_padded(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Undo :func:`left_padded` for a right-padded ``mask`` ``[B, T]``."""
+    shift = mask.shape[1] - mask.sum(1)
+    return x.gather(1, (torch.arange(mask.shape[1]) + shift.unsqueeze(1)) % mask.shape[1])
+
+
+@pytest.mark.parametrize(
+    ("rows", "t", "dtype"),
+    [(1025, 5, torch.bfloat16), (1024, 5, torch.float16), (3, 2**15 + 5, torch.float32)],
+    ids=["1025-rows-bf16", "1024-rows-fp16", "T-past-int16"],
+)
+@pytest.mark.parametrize("baseline", ["loo", "mean", "loo-fitted", "ema"])
+def test_padding_layouts_agree_past_the_fast_paths_limits(rows, t, dtype, baseline):
+    """Group keys past the 1024-row equality table, groups above bf16's exact integers (256),
+    first tokens past int16 columns: left and right padding give one loss and gradient, and
+    NaN / inf under the mask reach neither."""
+    g = make_generator(23)
+    logp = -torch.rand(rows, t, generator=g, dtype=torch.float64) * 2
+    logp_ref = (logp + 0.3 * torch.randn(rows, t, generator=g, dtype=torch.float64)).clamp(max=0)
+    lengths = torch.randint(0, t + 1, (rows,), generator=g)
+    lengths[0] = t
+    mask = torch.arange(t) < lengths.unsqueeze(1)
+    logp = torch.where(mask, logp, math.nan).to(dtype)
+    logp_ref = torch.where(mask, logp_ref, -math.inf).to(dtype)
+    group = torch.randint(0, 3, (rows,), generator=g) * 2**40  # a few large, sparse ids
+    results = []
+    for layout in ("right", "left"):
+
+        def arrange(x, layout=layout):
+            return x if layout == "right" else left_padded(x, mask)
+
+        ema = klest.BaselineEMA(decay=0.5) if baseline == "ema" else None
+        x = arrange(logp).requires_grad_()
+        for _ in range(2 if ema else 1):
+            loss = klest.kl_penalty(
+                x,
+                arrange(logp_ref),
+                mask=arrange(mask),
+                baseline=ema if ema is not None else baseline,
+                group=None if ema else group,
+            )
+        (grad,) = torch.autograd.grad(loss, x)
+        assert torch.isfinite(grad).all()
+        assert not grad[~arrange(mask)].any()
+        results.append((loss, grad if layout == "right" else right_padded(grad, mask)))
+    (loss_r, grad_r), (loss_l, grad_l) = results
+    assert torch.isfinite(loss_r)
+    torch.testing.assert_close(loss_l, loss_r, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grad_l, grad_r, rtol=1e-2, atol=1e-3)
