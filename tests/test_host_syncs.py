@@ -77,6 +77,25 @@ def test_at_most_one_host_read_with_validation_and_none_without(name, validate, 
     assert len(calls) <= (1 if validate else 0), calls
 
 
+@pytest.mark.parametrize("baseline", ["loo", "loo-fitted", "mean"])
+def test_a_group_baseline_reads_once_whatever_the_guessed_layout(baseline, monkeypatch):
+    """kl_penalty guesses from the previous call whether a row is left-padded (and skips the
+    alignment if not): a wrong guess is rebuilt without another read."""
+    logp, logp_ref, _ = _inputs()
+    right = torch.ones(8, 16, dtype=torch.bool)
+    right[:, 12:] = False
+    left = right.flip(-1)
+    for mask in (right, left, left, right, right, left):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            with counted_host_reads(monkeypatch) as calls:
+                out = klest.kl_penalty(
+                    logp, logp_ref, mask=mask, baseline=baseline, group=torch.arange(8) // 4
+                )
+                out.backward()
+        assert len(calls) <= 1, calls
+
+
 HAS_TRITON = triton_available()
 
 

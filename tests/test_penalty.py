@@ -19,6 +19,7 @@ import pytest
 import torch
 
 import klest
+from klest import penalty as penalty_module
 from klest.audit import GradSpec, audit_grad, gradient_draws, mean_shift_z
 from klest.penalty import KLGradientWarning
 from klest.testbeds import (
@@ -638,6 +639,58 @@ def test_left_and_right_padding_give_the_same_loss_and_gradient(grad, baseline, 
     (loss_r, grad_r), (loss_l, grad_l) = results
     torch.testing.assert_close(loss_l, loss_r, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(grad_l, grad_r, rtol=1e-10, atol=1e-13)
+
+
+STATELESS_GROUP_BASELINES = [
+    ("cumulative", "loo", "pi||ref"),
+    ("cumulative", "mean", "ref||pi"),
+    ("cumulative", "loo-fitted", "pi||ref"),
+    ("cumulative", "exact-kl+loo", "pi||ref"),
+    ("rb", "loo", "pi||ref"),
+    ("token", "exact-kl+loo", "pi||ref"),
+]
+
+
+@pytest.mark.parametrize(("grad", "baseline", "direction"), STATELESS_GROUP_BASELINES)
+def test_validated_calls_skip_the_alignment_only_where_it_changes_nothing(
+    grad, baseline, direction
+):
+    """With validation on, a group baseline skips the first-token alignment when the checks'
+    read says no row is left-padded, guessing the layout from the previous call (rebuilt
+    aligned when the guess was wrong): every layout sequence gives, bit for bit, the loss and
+    gradient of validate=False, which always aligns."""
+    testbed = make("tabular")
+    s = testbed.sample(8, generator=make_generator(23))
+    assert not bool(s.mask.all())
+    group = torch.tensor([0, 0, 0, 1, 1, 1, 1, 2])
+    params = testbed.parameters()
+
+    def call(layout, validate):
+        def arrange(x):
+            return x if layout == "right" else left_padded(x, s.mask)
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", KLGradientWarning)
+            loss = klest.kl_penalty(
+                arrange(s.logp),
+                arrange(s.logp_ref),
+                mask=arrange(s.mask),
+                grad=grad,
+                direction=direction,
+                baseline=baseline,
+                group=group,
+                logits=arrange(s.logits),
+                logits_ref=arrange(s.logits_ref),
+                validate=validate,
+            )
+        return loss, torch.autograd.grad(loss, params, retain_graph=True)[0]
+
+    for layout in ("right", "right", "left", "left", "right", "left", "right"):
+        loss, g = call(layout, True)
+        assert penalty_module._LAYOUT.guess_left_padded == (layout == "left")
+        loss_ref, g_ref = call(layout, False)
+        assert torch.equal(loss, loss_ref), layout
+        assert torch.equal(g, g_ref), layout
 
 
 def test_ema_baseline_aligns_completions_at_their_first_token():

@@ -7,7 +7,7 @@ import torch
 
 import klest
 from klest.aggregation import group_keys
-from klest.surrogates import BaselineEMA, group_baseline, group_sizes
+from klest.surrogates import BaselineEMA, group_baseline, group_sizes, starts_late
 from klest.testbeds import make_generator
 
 
@@ -149,4 +149,25 @@ def test_baselines_keep_the_targets_dtype():
     assert BaselineEMA()(targets, valid).dtype == torch.float32
     assert group_baseline(targets, valid, "loo", torch.zeros(4, dtype=torch.int64)).dtype == (
         torch.float32
+    )
+
+
+@pytest.mark.parametrize("kind", ["loo", "mean"])
+def test_group_baseline_without_alignment_is_the_same_when_no_row_starts_late(kind):
+    """align=False skips the shifts; with every row starting at column 0 (right padding, empty
+    rows, full rows) the result is the same bit for bit, and starts_late says when it is not."""
+    g = make_generator(5)
+    targets = torch.randn(9, 11, generator=g, dtype=torch.float64)
+    lengths = torch.tensor([11, 0, 3, 7, 1, 11, 5, 0, 9])
+    valid = torch.arange(11) < lengths.unsqueeze(1)
+    keys = group_keys(torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 3]))
+    assert not bool(starts_late(valid))
+    aligned = group_baseline(targets, valid, kind, keys)
+    assert torch.equal(group_baseline(targets, valid, kind, keys, align=False), aligned)
+    left = valid.flip(-1)
+    assert bool(starts_late(left))
+    assert not bool(starts_late(left[[0, 1, 5]]))  # full and empty rows start at column 0
+    assert not torch.equal(
+        group_baseline(targets, left, kind, keys, align=False),
+        group_baseline(targets, left, kind, keys),
     )

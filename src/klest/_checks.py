@@ -81,13 +81,16 @@ class ValueChecks:
     that builds the error message from it; :meth:`run` reads every ``flags.any()`` at once and
     raises for the first failed check, in the order they were added. ``warn_once(key, flags,
     message)`` registers a warning read in the same synchronisation, given (when no check
-    failed) once per process per ``key``; once given, it is not registered again. When
-    disabled, ``add`` and ``warn_once`` record nothing and ``run`` does nothing.
+    failed) once per process per ``key``; once given, it is not registered again.
+    ``probe(flag)`` registers a boolean scalar that is no check: its value comes back from
+    :meth:`run` (in the order of the probes), read in the same synchronisation, for a caller that
+    picks a faster path with it. When disabled, ``add``, ``warn_once`` and ``probe`` record
+    nothing and ``run`` does nothing (and returns no probe).
     """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._items: list[tuple[Tensor, Callable[[Tensor], str], str | None]] = []
+        self._items: list[tuple[Tensor, Callable[[Tensor], str] | None, str | None]] = []
 
     def add(self, flags: Tensor, message: Callable[[Tensor], str]) -> None:
         if self.enabled:
@@ -97,9 +100,16 @@ class ValueChecks:
         if self.enabled and key not in _WARNED_ONCE:
             self._items.append((flags.detach(), message, key))
 
-    def run(self, *, stacklevel: int = 3) -> None:
+    def probe(self, flag: Tensor) -> None:
+        """Read the boolean scalar ``flag`` with the checks: its value is in :meth:`run`'s list."""
+        if self.enabled:
+            self._items.append((flag.detach(), None, None))
+
+    def run(self, *, stacklevel: int = 3) -> list[bool]:
+        """Read every check and probe at once; raise for the first failed check, give the
+        warnings, and return the probes' values (in the order they were registered)."""
         if not self._items:
-            return
+            return []
         device = self._items[0][0].device
         with torch.no_grad():
             # Scalars (most checks reduce on the device first) need no any().
@@ -108,15 +118,18 @@ class ValueChecks:
             ]
             anys = torch.stack([f.to(device) for f in flags]).tolist()
         items, self._items = self._items, []
-        warned = []
+        warned, probes = [], []
         for failed, (flags, message, key) in zip(anys, items, strict=True):
-            if failed and key is None:
+            if message is None:
+                probes.append(bool(failed))
+            elif failed and key is None:
                 raise ValueError(message(flags))
-            if failed and key not in _WARNED_ONCE:
+            elif failed and key not in _WARNED_ONCE:
                 warned.append((key, message(flags)))
         for key, text in warned:
             _WARNED_ONCE.add(key)
             warnings.warn(text, UserWarning, stacklevel=stacklevel)
+        return probes
 
 
 def first_bad(flags: Tensor) -> str:

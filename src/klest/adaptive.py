@@ -142,7 +142,7 @@ def mix_coefficient(delta: Tensor, valid: Tensor | None, direction: str) -> Tens
     return c.to(delta.dtype).unsqueeze(-1)
 
 
-def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor) -> Tensor:
+def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor, *, align: bool = True) -> Tensor:
     r"""The cross-fitted scale :math:`\lambda` of the leave-one-out baseline, ``[rows, 1]``.
 
     .. math:: \lambda_i = \mathrm{clip}_{[0, 1]}\Big(\frac{\sum_{j \in F'} \sum_t A_{jt} B'_{jt}}
@@ -157,6 +157,8 @@ def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor) -> Tensor:
         samples from pi.
       valid: bool ``[rows, T]``.
       keys: group keys ``[rows]`` (:func:`klest.aggregation.group_keys`).
+      align: False skips the first-token alignment of :func:`klest.surrogates.group_baseline`
+        (the same result when no row starts after column 0).
 
     Returns:
       Detached scales ``[rows, 1]`` in ``targets``' dtype; 0 where the other fold has no pair.
@@ -175,10 +177,12 @@ def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor) -> Tensor:
     # Groups split by fold: keys + rows * fold < 2 rows, so pad with as many invalid rows.
     fold_keys = torch.cat([keys + rows * fold, keys])  # the padding rows' keys: never valid
     padded_valid = torch.cat([valid, torch.zeros_like(valid)])
-    within = group_baseline(torch.cat([x, torch.zeros_like(x)]), padded_valid, "loo", fold_keys)
+    within = group_baseline(
+        torch.cat([x, torch.zeros_like(x)]), padded_valid, "loo", fold_keys, align=align
+    )
     # Where the row is valid and has a fold-mate valid at the same position.
     ones = padded_valid.double()
-    paired = valid & (group_baseline(ones, padded_valid, "loo", fold_keys)[:rows] > 0)
+    paired = valid & (group_baseline(ones, padded_valid, "loo", fold_keys, align=align)[:rows] > 0)
     within = within[:rows]
     p_row = torch.where(paired, x * within, 0.0).sum(-1)
     q_row = torch.where(paired, within * within, 0.0).sum(-1)

@@ -44,6 +44,13 @@ in high dimensions, which is why the Chimera estimator takes k3's value and k1's
 
 Baselines (``baseline=``) apply to ``score``, ``cumulative`` and ``rb`` (KL(pi||ref)): see
 :mod:`klest.surrogates`. Per-position baselines align completions at their first valid token.
+With validation on, whether some row is left-padded (the only case where aligning changes
+anything) is read with the value checks, and a right-padded batch skips the alignment's passes;
+the surrogate is built first for the layout of the previous validated call (and once more,
+aligned, when that guessed wrong: no extra read). The loss and gradient are the same, bit for
+bit, either way. The one difference: after a wrong guess, the finiteness check reads the
+unaligned surrogate, whose baseline sums can overflow where the aligned one's do not, or the
+other way round (targets near the dtype's largest value).
 
 The exact-KL baselines (``"exact-kl"``, ``"exact-kl+loo"``; KL(pi||ref), ``cumulative`` and
 ``token``, with ``logits``/``logits_ref`` or ``position_kls``) subtract from token t's target
@@ -72,7 +79,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import torch
@@ -126,6 +133,7 @@ from klest.surrogates import (
     group_baseline,
     group_sizes,
     join,
+    starts_late,
 )
 
 
@@ -162,6 +170,7 @@ class SurrogateInputs:
     keys: Tensor | None
     kls: Tensor | None
     stl_delta: Tensor | None
+    align: bool = True  # False: no row starts after column 0 (group baselines skip alignment)
 
     @property
     def on_policy(self) -> bool:
@@ -203,13 +212,14 @@ class SurrogateInputs:
                 keys = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
             if isinstance(self.baseline, LooScaleEMA):
                 return self.baseline(targets, valid, keys)
+            align = self.align
             if self.baseline == "loo-fitted":
-                scale = baseline_scale(targets, valid, keys)
-                return scale * group_baseline(targets, valid, "loo", keys)
+                scale = baseline_scale(targets, valid, keys, align=align)
+                return scale * group_baseline(targets, valid, "loo", keys, align=align)
             if self.baseline in EXACT_KL_BASELINES:
                 assert self.kls is not None
-                return exact_kl_baseline(targets, valid, self.kls, self.baseline, keys)
-            return group_baseline(targets, valid, self.baseline, keys)
+                return exact_kl_baseline(targets, valid, self.kls, self.baseline, keys, align=align)
+            return group_baseline(targets, valid, self.baseline, keys, align=align)
         if targets.shape[-1] == 1:
             return self.baseline(targets, valid)
         first = first_token(valid)
@@ -678,13 +688,35 @@ def kl_penalty(
             kls=kls,
             checks=checks,
         )
-    inputs = SurrogateInputs(lr, lr.logp, direction, value, baseline, keys, kls, stl_delta)
+    # A stateless group baseline per position aligns rows at their first valid token, which
+    # changes nothing unless a row is left-padded. With validation on, whether one is rides on
+    # the checks' one read: the surrogate is built for the layout of the previous such call, and
+    # rebuilt aligned if that guessed "not left-padded" wrongly (no extra read).
+    probe = (
+        checks.enabled
+        and isinstance(baseline, str)
+        and baseline != "exact-kl"
+        and grad != "score"
+        and lr.valid is not None
+        and lr.delta.shape[-1] > 1
+    )
+    guess = _LAYOUT.guess_left_padded if probe else True
+    if probe:
+        assert lr.valid is not None
+        checks.probe(starts_late(lr.valid))
+    inputs = SurrogateInputs(
+        lr, lr.logp, direction, value, baseline, keys, kls, stl_delta, align=guess
+    )
     value_out = value.reduce(reduction)
     surrogate_out = est.surrogate(inputs).reduce(reduction)
     check_finite_surrogate(
         surrogate_out, checks, _surrogate_explanation(logp, logp_ref, lr, direction)
     )
-    checks.run()
+    probes = checks.run()
+    if probe:
+        _LAYOUT.guess_left_padded = left_padded = probes[0]
+        if left_padded and not guess:
+            surrogate_out = est.surrogate(replace(inputs, align=True)).reduce(reduction)
     loss = surrogate_out if grad == "autodiff" else join(value_out, surrogate_out)
     if not return_details:
         return loss
@@ -697,6 +729,16 @@ def kl_penalty(
         n_singleton_samples=singletons,
     )
     return WithDetails(loss, details)
+
+
+class _LayoutGuess:
+    """Whether the last validated call with a per-position group baseline had a left-padded row
+    (:func:`kl_penalty` builds the next surrogate for that layout first)."""
+
+    guess_left_padded = False
+
+
+_LAYOUT = _LayoutGuess()
 
 
 def _warn_about_gradient(

@@ -198,7 +198,9 @@ class BaselineEMA(Float64EMAState):
         return f"decay={self.decay}"
 
 
-def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> Tensor:
+def group_baseline(
+    targets: Tensor, valid: Tensor, kind: str, keys: Tensor, *, align: bool = True
+) -> Tensor:
     """Leave-one-out (``"loo"``) or mean baseline of ``targets`` ``[rows, T]`` within each group.
 
     ``keys`` ``[rows]`` are group keys (:func:`klest.aggregation.group_keys`). Positions are
@@ -206,9 +208,13 @@ def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> T
     the rows of the group valid there; ``"loo"`` excludes the row's own value. Where no (other)
     row is valid at a position the baseline is 0, and before a row's first valid token it is 0.
     In ``targets``' dtype.
+
+    ``align=False`` skips the alignment (its shifts cost several passes over ``[rows, T]``):
+    for callers that know that no row's first valid token is after column 0 (:func:`starts_late`
+    is False), where the result is the same, bit for bit.
     """
     rows, t = targets.shape
-    if t > 1:  # the t-th token of every completion in column t (shifted left, zeros shifted in)
+    if t > 1 and align:  # the t-th token of every completion in column t (shifted, zeros in)
         first = first_token(valid)
         values = ShiftBuffer(rows, t, like=targets)
         keep_valid_into(values.data, targets, valid)
@@ -229,14 +235,23 @@ def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> T
         sums.sub_(x)
         counts.sub_(counted)
     counts.clamp_(min=1)
-    if t <= 1:
+    if t <= 1 or not align:
         return sums.div_(counts)
     torch.div(sums, counts, out=values.data)  # the buffer's rows are free again: reuse them
     return values.shifted_right(first)
 
 
+def starts_late(valid: Tensor) -> Tensor:
+    """Whether some row of ``valid`` ``[rows, T]`` has its first valid token after column 0 (is
+    left-padded), a bool scalar on ``valid``'s device: only then does :func:`group_baseline`'s
+    alignment change anything."""
+    if valid.shape[-1] == 0:
+        return torch.zeros((), dtype=torch.bool, device=valid.device)
+    return (valid.any(-1) & ~valid[..., 0]).any()
+
+
 def exact_kl_baseline(
-    targets: Tensor, valid: Tensor, kls: Tensor, kind: str, keys: Tensor
+    targets: Tensor, valid: Tensor, kls: Tensor, kind: str, keys: Tensor, *, align: bool = True
 ) -> Tensor:
     r"""The ``"exact-kl"`` / ``"exact-kl+loo"`` baseline of per-position ``targets`` ``[rows, T]``.
 
@@ -255,6 +270,7 @@ def exact_kl_baseline(
     Sangjun Song, Gyubin Choi, Yunho Choi and Yohan Jo (2026, https://arxiv.org/abs/2605.07865);
     for a target that sums the log-ratios to go it is the first term of the value, and the
     leave-one-out mean estimates the rest. 0 where ``valid`` is False; in ``targets``' dtype.
+    ``align``: as :func:`group_baseline`'s.
 
     Example:
       >>> targets = torch.tensor([[3.0, 1.0], [5.0, 2.0]])
@@ -269,7 +285,7 @@ def exact_kl_baseline(
     """
     b = torch.where(valid, kls.detach().to(targets.dtype), 0.0)
     if kind == "exact-kl+loo":
-        b = b + group_baseline(targets - b, valid, "loo", keys)
+        b = b + group_baseline(targets - b, valid, "loo", keys, align=align)
     return b
 
 
