@@ -446,8 +446,16 @@ def _figures(runs: dict, frontier: dict) -> dict:
                 ax.fill_between(steps, mean - sd, mean + sd, color=colors[est], alpha=0.25)
         axes[0, col].set(title=f"beta = {beta:g}", xlabel="step", ylabel="held-out reward")
         axes[1, col].set(xlabel="step", ylabel="KL(pi||ref), nats (RB, held out)")
-    axes[0, -1].legend(title="KL estimator (mean ± sd over seeds)", fontsize=8, loc="lower right")
-    fig.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(
+        handles,
+        labels,
+        title="KL estimator (mean ± sd over seeds)",
+        fontsize=8,
+        ncol=len(labels),
+        loc="lower center",
+    )
+    fig.tight_layout(rect=(0, 0.08, 1, 1))  # room below the panels for the legend
 
     pareto, ax = plt.subplots(figsize=(6.5, 4.5))
     markers = dict(zip(betas, "osD^vP*X", strict=False))
