@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import klest
-from klest._numerics import exp_tail, xexp_tail
+from klest._numerics import exp_neg_tail, exp_tail, xexp_tail
 
 mpmath.mp.dps = 50
 
@@ -358,3 +358,24 @@ def test_tail_functions_on_a_dense_grid_across_the_series_radius(fn, ref, dtype,
     keep = expected != 0
     rel = ((fn(xs).double() - expected).abs() / expected.abs())[keep].max()
     assert rel < bound, f"max relative error {float(rel):.3g}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_exp_neg_tail_is_exp_tail_of_the_negation_bit_for_bit(dtype):
+    """k3 of KL(pi||ref) takes the log-ratio itself (no negating pass): the series' terms only
+    change sign, so values and gradients equal exp_tail(-x) exactly, on both sides of the
+    radius, at 0 and at the infinities."""
+    grid = torch.tensor(_grid(), dtype=torch.float64)
+    xs = torch.cat([grid, torch.linspace(-1, 1, 401, dtype=torch.float64)]).to(dtype)
+    xs = torch.cat([xs, torch.tensor([0.0, -0.0, math.inf, -1e4, 1e4], dtype=dtype)])
+    assert torch.equal(exp_neg_tail(xs), exp_tail(-xs))
+    finite = xs[xs.abs() < 80]
+    a = finite.clone().requires_grad_()
+    b = finite.clone().requires_grad_()
+    exp_neg_tail(a).sum().backward()
+    exp_tail(-b).sum().backward()
+    assert torch.equal(a.grad, b.grad)
+    expected = torch.tensor([_ref_exp_tail(-float(x)) for x in finite], dtype=torch.float64)
+    keep = expected != 0
+    rel = ((exp_neg_tail(finite).double() - expected).abs() / expected.abs())[keep].max()
+    assert rel < (2e-6 if dtype == torch.float32 else 1e-14)

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
 import klest
+from klest._masks import mask_bits
 from klest.aggregation import group_keys
 from klest.surrogates import BaselineEMA, group_baseline, group_sizes, starts_late
 from klest.testbeds import make_generator
@@ -171,3 +174,20 @@ def test_group_baseline_without_alignment_is_the_same_when_no_row_starts_late(ki
         group_baseline(targets, left, kind, keys, align=False),
         group_baseline(targets, left, kind, keys),
     )
+
+
+@pytest.mark.parametrize("align", [True, False])
+def test_group_baseline_with_the_callers_mask_bits_is_the_same(align):
+    """The mask bits a caller already made (kl_penalty's, from its inputs) give the result
+    computed without them, bit for bit, also where the masked targets hold NaN or inf."""
+    g = make_generator(6)
+    targets = torch.randn(6, 9, generator=g)
+    valid = torch.rand(6, 9, generator=g) > 0.3
+    valid[:, 0] = True
+    targets[~valid] = math.nan
+    targets[~valid & (torch.arange(9) % 2 == 0)] = math.inf
+    keys = group_keys(torch.tensor([0, 0, 1, 1, 1, 2]))
+    bits = mask_bits(valid, targets.dtype)
+    got = group_baseline(targets, valid, "loo", keys, align=align, bits=bits)
+    assert torch.equal(got, group_baseline(targets, valid, "loo", keys, align=align))
+    assert bool(torch.isfinite(got).all())

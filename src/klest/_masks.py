@@ -53,9 +53,11 @@ def keep_valid(x: Tensor, valid: Tensor, bits: Tensor | None = None) -> Tensor:
     return _and(x, bits)
 
 
-def keep_valid_into(out: Tensor, x: Tensor, valid: Tensor) -> Tensor:
-    """:func:`keep_valid` of a detached ``x`` written into ``out`` (same shape and dtype)."""
-    bits = mask_bits(valid, x.dtype)
+def keep_valid_into(out: Tensor, x: Tensor, valid: Tensor, bits: Tensor | None = None) -> Tensor:
+    """:func:`keep_valid` of a detached ``x`` written into ``out`` (same shape and dtype; a
+    view of a larger tensor is fine)."""
+    if bits is None:
+        bits = mask_bits(valid, x.dtype)
     torch.bitwise_and(x.detach().view(bits.dtype), bits, out=out.view(bits.dtype))
     return out
 
@@ -66,14 +68,14 @@ def _and(x: Tensor, bits: Tensor) -> Tensor:
 
 class _KeepValid(torch.autograd.Function):
     # forward(ctx, ...) rather than setup_context: apply() then skips binding the signature
-    # (inspect.signature, tens of microseconds a call). The backward keeps the bool mask (a
-    # quarter of the bits' memory, float32) and remakes the bits.
+    # (inspect.signature, tens of microseconds a call). The backward reuses the bits (the
+    # caller made them for the forward pass; remaking them costs two passes).
     @staticmethod
     def forward(ctx: Any, x: Tensor, bits: Tensor, valid: Tensor) -> Tensor:  # type: ignore[override]
-        ctx.save_for_backward(valid)
+        ctx.save_for_backward(valid, bits)
         return _and(x, bits)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:  # type: ignore[override]
-        (valid,) = ctx.saved_tensors
-        return keep_valid(grad, valid), None, None
+        valid, bits = ctx.saved_tensors
+        return keep_valid(grad, valid, bits), None, None

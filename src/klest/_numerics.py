@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-# e^x - 1 - x = sum_{k>=2} x^k / k!
+# e^x - 1 - x = sum_{k>=2} x^k / k!, and e^-x - 1 + x = sum_{k>=2} (-x)^k / k!
 _EXP_TAIL = tuple(1.0 / math.factorial(k) for k in range(2, 18))
+_EXP_NEG_TAIL = tuple((-1.0) ** k / math.factorial(k) for k in range(2, 18))
 # 1 + e^x (x - 1) = x e^x - (e^x - 1) = sum_{k>=2} (k - 1) x^k / k!
 _XEXP_TAIL = tuple((k - 1) / math.factorial(k) for k in range(2, 18))
 
@@ -41,6 +42,7 @@ class _Series:
 
 
 _EXP_TAIL_SERIES = _Series(_EXP_TAIL, 0.2, {torch.float64: 12}, 7)
+_EXP_NEG_TAIL_SERIES = _Series(_EXP_NEG_TAIL, 0.2, {torch.float64: 12}, 7)
 _XEXP_TAIL_SERIES = _Series(_XEXP_TAIL, 0.5, {torch.float64: 17}, 9)
 
 
@@ -96,6 +98,20 @@ def _expm1_minus_identity(z: Tensor) -> Tensor:
     if torch.is_grad_enabled() and z.requires_grad:
         return torch.expm1(z) - z
     return torch.expm1(z).sub_(z)
+
+
+def exp_neg_tail(x: Tensor) -> Tensor:
+    """``e^-x - 1 + x`` (k3 of KL(pi||ref) at the log-ratio x), accurate to a few ulp for every
+    x: :func:`exp_tail` of ``-x`` without the pass that negates x (the same values, bit for
+    bit: the series' terms only change sign)."""
+    return _series_or_direct(x, _EXP_NEG_TAIL_SERIES, _expm1_neg_plus_identity)
+
+
+def _expm1_neg_plus_identity(z: Tensor) -> Tensor:
+    """``expm1(-z) + z``, in place on the negation when no graph is recorded."""
+    if torch.is_grad_enabled() and z.requires_grad:
+        return torch.expm1(-z) + z
+    return torch.neg(z).expm1_().add_(z)
 
 
 def xexp_tail(x: Tensor) -> Tensor:

@@ -64,7 +64,7 @@ from klest._checks import (
     resolve_validate,
 )
 from klest._masks import keep_valid, mask_bits
-from klest._numerics import exp_tail, times_exp, x_exp, xexp_tail
+from klest._numerics import exp_neg_tail, times_exp, x_exp, xexp_tail
 from klest._types import DEFAULT_REDUCTION, AlphaFit, Direction, Estimator, Level, Reduction
 from klest.aggregation import (
     SEQUENCE_REDUCTIONS,
@@ -108,6 +108,7 @@ class LogRatios:
     valid: Tensor | None
     shape: torch.Size
     logp: Tensor  # log pi per row and token, 0 at masked positions, with the caller's graph
+    bits: Tensor | None = None  # klest._masks.mask_bits of valid for delta's dtype, for reuse
 
     def valid_or_all(self) -> Tensor:
         """``valid`` as a tensor (all True without a mask)."""
@@ -182,7 +183,7 @@ def prepare_log_ratios(
         producible = lp > -math.inf
         delta = torch.where(producible, delta, 0.0)
         lp = torch.where(producible, lp, 0.0)
-    return LogRatios(delta, log_w, valid, logp.shape, lp)
+    return LogRatios(delta, log_w, valid, logp.shape, lp, bits)
 
 
 def at_sequence_level(lr: LogRatios) -> LogRatios:
@@ -217,7 +218,7 @@ def naive_term(delta: Tensor, direction: str) -> Tensor:
 
 def k3_term(delta: Tensor, direction: str) -> Tensor:
     """k3 of ``direction``, without cancellation near r = 1."""
-    return exp_tail(-delta) if direction == "pi||ref" else xexp_tail(-delta)
+    return exp_neg_tail(delta) if direction == "pi||ref" else xexp_tail(-delta)
 
 
 def control_term(delta: Tensor, direction: str) -> Tensor:

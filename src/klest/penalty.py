@@ -219,7 +219,9 @@ class SurrogateInputs:
             if self.baseline in EXACT_KL_BASELINES:
                 assert self.kls is not None
                 return exact_kl_baseline(targets, valid, self.kls, self.baseline, keys, align=align)
-            return group_baseline(targets, valid, self.baseline, keys, align=align)
+            same = valid is self.lr.valid and targets.dtype == self.lr.delta.dtype
+            bits = self.lr.bits if same else None
+            return group_baseline(targets, valid, self.baseline, keys, align=align, bits=bits)
         if targets.shape[-1] == 1:
             return self.baseline(targets, valid)
         first = first_token(valid)

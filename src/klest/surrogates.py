@@ -43,7 +43,7 @@ import torch
 from torch import Tensor, nn
 
 from klest._checks import ValueChecks, check_decay, check_tensor, resolve_validate
-from klest._masks import keep_valid, keep_valid_into
+from klest._masks import keep_valid_into
 from klest.sequence import ShiftBuffer, first_token
 
 
@@ -199,7 +199,13 @@ class BaselineEMA(Float64EMAState):
 
 
 def group_baseline(
-    targets: Tensor, valid: Tensor, kind: str, keys: Tensor, *, align: bool = True
+    targets: Tensor,
+    valid: Tensor,
+    kind: str,
+    keys: Tensor,
+    *,
+    align: bool = True,
+    bits: Tensor | None = None,
 ) -> Tensor:
     """Leave-one-out (``"loo"``) or mean baseline of ``targets`` ``[rows, T]`` within each group.
 
@@ -211,31 +217,36 @@ def group_baseline(
 
     ``align=False`` skips the alignment (its shifts cost several passes over ``[rows, T]``):
     for callers that know that no row's first valid token is after column 0 (:func:`starts_late`
-    is False), where the result is the same, bit for bit.
+    is False), where the result is the same, bit for bit. ``bits``: :func:`klest._masks.mask_bits`
+    of ``valid`` for ``targets``' dtype, when the caller has it.
     """
     rows, t = targets.shape
+    first = None
     if t > 1 and align:  # the t-th token of every completion in column t (shifted, zeros in)
         first = first_token(valid)
         values = ShiftBuffer(rows, t, like=targets)
-        keep_valid_into(values.data, targets, valid)
+        keep_valid_into(values.data, targets, valid, bits)
         flags = ShiftBuffer(rows, t, like=valid)
         flags.data.copy_(valid)
-        x, valid = values.shifted_left(first), flags.shifted_left(first)
+        valid = flags.shifted_left(first)
         del flags
+    # Values and counts side by side ([rows, 2T]: one pooling for both). A bool is the byte 0 or
+    # 1; counts are floats (index_add_ of integers is ~10x slower).
+    both = targets.new_empty(rows, 2 * t)
+    x, counted = both[:, :t], both[:, t:]
+    if first is None:
+        keep_valid_into(x, targets, valid, bits)
     else:
-        x = keep_valid(targets.detach(), valid)
-    # A bool is the byte 0 or 1; counts are floats (index_add_ of integers is ~10x slower).
-    counted = valid.view(torch.uint8).to(x.dtype)
+        x.copy_(values.shifted_left(first))  # zero where not valid already
+    counted.copy_(valid.view(torch.uint8))
     # Per group, the sums over its rows: dense row additions (index_add_ along rows).
-    sums = torch.zeros_like(x).index_add_(0, keys, x).index_select(0, keys)
-    counts = torch.zeros_like(counted).index_add_(0, keys, counted).index_select(0, keys)
+    pooled = torch.zeros_like(both).index_add_(0, keys, both).index_select(0, keys)
     if kind == "loo":
         # Without another valid row the group's sum is exactly this row's value: the baseline
         # is 0 / 1 = 0, with no select.
-        sums.sub_(x)
-        counts.sub_(counted)
-    counts.clamp_(min=1)
-    if t <= 1 or not align:
+        pooled.sub_(both)
+    sums, counts = pooled[:, :t], pooled[:, t:].clamp_(min=1)
+    if first is None:
         return sums.div_(counts)
     torch.div(sums, counts, out=values.data)  # the buffer's rows are free again: reuse them
     return values.shifted_right(first)
@@ -247,7 +258,10 @@ def starts_late(valid: Tensor) -> Tensor:
     alignment change anything."""
     if valid.shape[-1] == 0:
         return torch.zeros((), dtype=torch.bool, device=valid.device)
-    return (valid.any(-1) & ~valid[..., 0]).any()
+    # A bool is the byte 0 or 1: a row starts late when its largest byte exceeds its first
+    # (byte reductions run many times faster than logical ones on the CPU).
+    as_bytes = valid.view(torch.uint8)
+    return (as_bytes.amax(-1) > as_bytes[..., 0]).any()
 
 
 def exact_kl_baseline(
