@@ -15,8 +15,8 @@ and prints a table. Cases, with validation on (klest's default):
   default (mean) reduction against ``(logp - logp_ref).mean()``.
 
 Times are medians of repeated calls after warm-up, klest's and the baseline's calls interleaved
-(CUDA: synchronized wall time, so the host time of the call counts); ``--quick`` shrinks the
-sizes (a smoke test).
+(CUDA: synchronized wall time, so the host time of the call counts), in wall time and in the
+calling thread's CPU time; ``--quick`` shrinks the sizes (a smoke test).
 """
 
 from __future__ import annotations
@@ -52,26 +52,38 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def _time(methods: dict[str, Callable[[], object]], device: str, reps: int) -> dict[str, list]:
-    """Seconds of each call, the methods interleaved (each repetition calls every method once,
-    in turn), so that a change in the machine's load reaches all of them alike."""
+def _time(
+    methods: dict[str, Callable[[], object]], device: str, reps: int
+) -> dict[str, tuple[list[float], list[float]]]:
+    """Wall and CPU seconds of each call, the methods interleaved (each repetition calls every
+    method once, in turn), so that a change in the machine's load reaches all of them alike.
+
+    CPU seconds are this thread's (``time.thread_time``: user and kernel time, page faults
+    included): other processes move them less than the wall time, but they miss the work of
+    torch's other threads (exact with ``--threads 1``). On CUDA the third list is the host time
+    of each call (until it returns, before the synchronization: what the launches cost the
+    CPU); on the CPU it is the wall time again."""
     for fn in methods.values():
         for _ in range(3):
             fn()
-    seconds: dict[str, list[float]] = {m: [] for m in methods}
+    seconds: dict[str, tuple[list[float], ...]] = {m: ([], [], []) for m in methods}
     for _ in range(reps):
         for m, fn in methods.items():
+            wall, cpu, host = seconds[m]
             _sync(device)
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.thread_time()
             fn()
+            returned, cpu_returned = time.perf_counter(), time.thread_time()
             _sync(device)
-            seconds[m].append(time.perf_counter() - start)
+            wall.append(time.perf_counter() - start)
+            cpu.append(cpu_returned - cpu_start)
+            host.append(returned - start)
     return seconds
 
 
 def _case(name: str, methods: dict[str, Callable[[], object]], tokens: int, device: str, reps):
     runs = _time(methods, device, reps)
-    base = statistics.median(next(iter(runs.values())))
+    base, cpu_base, host_base = (statistics.median(s) for s in next(iter(runs.values())))
     return {
         "case": name,
         "tokens": tokens,
@@ -81,8 +93,12 @@ def _case(name: str, methods: dict[str, Callable[[], object]], tokens: int, devi
                 "seconds_all": s,
                 "ratio": statistics.median(s) / base,
                 "tokens_per_second": tokens / statistics.median(s),
+                "cpu_seconds": statistics.median(cpu),
+                "cpu_ratio": statistics.median(cpu) / cpu_base,
+                "host_seconds": statistics.median(host),
+                "host_ratio": statistics.median(host) / host_base,
             }
-            for m, s in runs.items()
+            for m, (s, cpu, host) in runs.items()
         },
     }
 
@@ -148,17 +164,21 @@ def k1_cases(n: int, device: str, reps: int) -> list[dict]:
 
 
 def _table(report: dict) -> str:
+    cuda = report["device_kind"] == "cuda"
     lines = [
         f"device: {report['device']}; {report['threads']} thread(s); medians of "
         f"{report['reps']} calls; validation on\n",
-        "| case | tokens | method | time (ms) | x plain | tokens/s |",
-        "|---|---|---|---|---|---|",
+        "| case | tokens | method | time (ms) | x plain | tokens/s | CPU time (ms) | x plain |"
+        + (" host time (ms) | x plain |" if cuda else ""),
+        "|---|---|---|---|---|---|---|---|" + ("---|---|" if cuda else ""),
     ]
     for case in report["cases"]:
         for method, r in case["results"].items():
+            host = f" {1e3 * r['host_seconds']:.3f} | {r['host_ratio']:.2f} |" if cuda else ""
             lines.append(
                 f"| {case['case']} | {case['tokens']} | {method} | {1e3 * r['seconds']:.2f} | "
-                f"{r['ratio']:.2f} | {r['tokens_per_second']:.3g} |"
+                f"{r['ratio']:.2f} | {r['tokens_per_second']:.3g} | "
+                f"{1e3 * r['cpu_seconds']:.2f} | {r['cpu_ratio']:.2f} |{host}"
             )
     return "\n".join(lines)
 
@@ -180,6 +200,7 @@ def main() -> None:
         torch.set_num_threads(max(1, args.threads or torch.get_num_threads()))
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+        "device_kind": device,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "reps": reps,

@@ -78,7 +78,9 @@ def test_overhead_quick_writes_every_case_and_appends_the_run(tmp_path):
     assert len(report["cases"]) == 3
     for case in report["cases"]:
         assert set(case["results"]) == {"plain", "klest"}
-        assert all(math.isfinite(r["ratio"]) for r in case["results"].values())
+        for r in case["results"].values():
+            assert math.isfinite(r["ratio"]) and math.isfinite(r["cpu_ratio"])
+            assert len(r["seconds_all"]) == report["reps"] and r["cpu_seconds"] > 0
     runs = (tmp_path / "overhead-cpu.runs.jsonl").read_text().splitlines()
     assert len(runs) == 2 and json.loads(runs[-1])["cases"] == report["cases"]
 
