@@ -70,3 +70,12 @@ def test_shift_buffer_shifts_each_row_by_its_own_offset_with_zeros_shifted_in():
         s = int(shift[r])
         assert left[r].tolist() == x[r, s:].tolist() + [0.0] * s
         assert right[r].tolist() == [0.0] * s + x[r, : 6 - s].tolist()
+    # Into a strided destination (a view of a wider buffer), as the group baseline writes it.
+    wide = torch.full((4, 12), -1.0)
+    buffer.shifted_left(shift, out=wide[:, :6])
+    assert torch.equal(wide[:, :6], left) and bool((wide[:, 6:] == -1.0).all())
+    empty = ShiftBuffer(0, 6, like=x)  # no rows: the copy path
+    assert empty.shifted_left(torch.zeros(0, dtype=torch.int64), out=torch.empty(0, 6)).shape == (
+        0,
+        6,
+    )

@@ -81,18 +81,21 @@ class ShiftBuffer:
             self._starts = torch.arange(t, (2 * rows + 1) * t, 2 * t, device=self.flat.device)
             self._windows_view = self.flat.unfold(0, t, 1)
 
-    def shifted_left(self, shift: Tensor) -> Tensor:
-        """Row r's values from column ``shift[r]`` on, then zeros: ``[rows, T]``."""
-        return self._windows(shift)
+    def shifted_left(self, shift: Tensor, *, out: Tensor | None = None) -> Tensor:
+        """Row r's values from column ``shift[r]`` on, then zeros: ``[rows, T]`` (written into
+        ``out`` when given: any ``[rows, T]`` tensor of the dtype, a strided view too)."""
+        return self._windows(shift, out)
 
     def shifted_right(self, shift: Tensor) -> Tensor:
         """``shift[r]`` zeros, then row r's first ``T - shift[r]`` values: ``[rows, T]``."""
         return self._windows(-shift)
 
-    def _windows(self, offset: Tensor) -> Tensor:
+    def _windows(self, offset: Tensor, out: Tensor | None = None) -> Tensor:
         if self._windows_view is None or self._starts is None:
-            return self.data.clone()
-        return self._windows_view.index_select(0, self._starts + offset)
+            return self.data.clone() if out is None else out.copy_(self.data)
+        if out is None:
+            return self._windows_view.index_select(0, self._starts + offset)
+        return torch.index_select(self._windows_view, 0, self._starts + offset, out=out)
 
 
 def align_left(x: Tensor, valid: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:

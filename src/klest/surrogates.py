@@ -237,7 +237,7 @@ def group_baseline(
     if first is None:
         keep_valid_into(x, targets, valid, bits)
     else:
-        x.copy_(values.shifted_left(first))  # zero where not valid already
+        values.shifted_left(first, out=x)  # zero where not valid already
     counted.copy_(valid.view(torch.uint8))
     # Per group, the sums over its rows: dense row additions (index_add_ along rows).
     pooled = torch.zeros_like(both).index_add_(0, keys, both).index_select(0, keys)
