@@ -364,10 +364,12 @@ def _grads_chunk(
     # d = log q - log p (0 outside both supports)
     lr = torch.where((q > 0) | (p > 0), la - (b - lse_b), 0.0)
     da = db = None
+    # A row whose KL is +inf has no gradient; with upstream gradient 0 it still passes 0, not
+    # 0 * inf = NaN (as the stashed gradient does): its terms are dropped, not multiplied by 0.
     if need_z:
         coef = torch.zeros_like(q)
         if g1 is not None:
-            coef += g1 * torch.where(q > 0, lr - kl_ab, 0.0)
+            coef += g1 * torch.where((q > 0) & (g1 != 0), lr - kl_ab, 0.0)
         if g3 is not None:
             coef -= g3 * torch.where(q > 0, la + ent, 0.0)
         if g2 is not None:
@@ -384,7 +386,7 @@ def _grads_chunk(
         if g1 is not None:
             db += g1 * (p - q)
         if g2 is not None:
-            db -= g2 * torch.where(p > 0, p * (lr + kl_ba), 0.0)
+            db -= g2 * torch.where((p > 0) & (g2 != 0), p * (lr + kl_ba), 0.0)
         if g5 is not None:
             db -= g5 * p
             _add_onehot(db, lab, g5)
