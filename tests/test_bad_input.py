@@ -172,3 +172,14 @@ def test_audit_and_spec_errors():
         EstimatorSpec.parse("k3:2")
     with pytest.raises(ValueError, match="unknown estimator"):
         EstimatorSpec.parse("k9")
+
+
+@pytest.mark.parametrize("given", ["logits", "logits_ref"])
+def test_exact_kls_need_both_logits(given):
+    """An estimator of the exact per-position KLs given one of the two logits tensors names
+    what it needs (not an error about the missing one's type)."""
+    logits = {given: torch.zeros(*P.shape, 3)}
+    with pytest.raises(ValueError, match="needs the full next-token distributions"):
+        klest.kl_estimate(P, Q, estimator="rb", **logits)
+    with pytest.raises(ValueError, match="needs the full next-token distributions"):
+        klest.kl_penalty(P, Q, grad="rb", **logits)

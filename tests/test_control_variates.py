@@ -140,3 +140,14 @@ def test_an_all_invalid_batch_leaves_the_ema_unchanged():
     ema(a, b, torch.zeros_like(valid))
     after = ema.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
+
+
+@pytest.mark.parametrize("c", [0.1, 0.3, 0.7])
+def test_constant_control_variate_beside_a_large_one_gives_alpha_zero(c):
+    """The leave-one-out set of the last row has equal b values, so Var(b) = 0 and alpha = 0
+    exactly. Centred on a mean that the left-out b = 3e4 pulls far off, the sums leave rounding
+    noise of order eps * sum(b^2) in that variance: the threshold must scale with sum(b^2)."""
+    a = torch.tensor([[0.3], [1.7], [-0.2], [0.9], [0.4]], dtype=torch.float64)
+    b = torch.tensor([[c], [c], [c], [c], [3e4]], dtype=torch.float64)
+    got = fit_alpha(a, b, torch.ones_like(a, dtype=torch.bool), "loo")
+    assert float(got[4]) == 0.0

@@ -828,3 +828,20 @@ def test_padding_layouts_agree_past_the_fast_paths_limits(rows, t, dtype, baseli
     assert torch.isfinite(loss_r)
     torch.testing.assert_close(loss_l, loss_r, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(grad_l, grad_r, rtol=1e-2, atol=1e-3)
+
+
+def test_details_without_groups_are_detached_and_count_no_singletons():
+    """Without ``group`` no sample is alone in a group (``n_singleton_samples`` is 0), and
+    ``per_sequence`` is the per-sequence value, detached even where the value carries the
+    gradient (``grad="autodiff"``): logging it keeps no graph alive."""
+    s = make("tabular").sample(4, generator=make_generator(29))
+    k3 = klest.k3(s.logp, s.logp_ref, mask=s.mask, reduction="per-sequence").detach()
+    with pytest.warns(KLGradientWarning, match="not an unbiased gradient"):
+        autodiff = klest.kl_penalty(
+            s.logp, s.logp_ref, mask=s.mask, grad="autodiff", return_details=True
+        )
+    loo = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, baseline="loo", return_details=True)
+    for _, details in (autodiff, loo):
+        assert details.n_singleton_samples == 0
+        assert not details.per_sequence.requires_grad
+        torch.testing.assert_close(details.per_sequence, k3, rtol=1e-12, atol=1e-15)

@@ -203,3 +203,15 @@ def test_empty_rows_and_an_empty_batch():
     assert float(none) == 0.0 and float(dh.abs().max()) == 0.0 and float(dw.abs().max()) == 0.0
     empty = klest.kl_from_hidden(h[:0], w, logits_ref=y[:0])
     assert float(empty) == 0.0
+
+
+@pytest.mark.parametrize("half", ["hidden_ref", "weight_ref"])
+def test_logits_ref_with_half_of_the_hidden_form_is_refused(half):
+    """``logits_ref`` beside one of ``hidden_ref`` / ``weight_ref`` gives ref twice: refused,
+    not silently read from ``logits_ref``."""
+    ref = {"hidden_ref": None, "weight_ref": None}
+    ref[half] = torch.zeros(5, 4) if half == "hidden_ref" else torch.zeros(11, 4)
+    with pytest.raises(ValueError, match="either"):
+        klest.kl_from_hidden(
+            torch.zeros(5, 4), torch.zeros(11, 4), **ref, logits_ref=torch.zeros(5, 11)
+        )
