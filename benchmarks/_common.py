@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -62,6 +63,21 @@ def copy_bandwidth() -> float:
     dst = torch.empty_like(src)
     seconds = time_cuda(lambda: dst.copy_(src))
     return 2 * src.numel() * src.element_size() / seconds
+
+
+def source_commit() -> str | None:
+    """The git commit of the code being measured, with ``+dirty`` when the tree has changes
+    (None outside a git checkout): runs in a ``.runs.jsonl`` file are then traceable."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True)
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if not commit:
+        return None
+    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
 
 
 def append_run(name: str, report: dict, out: Path) -> Path:

@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 import klest
-from _common import append_run, parser, write_report
+from _common import append_run, parser, source_commit, write_report
 
 
 def plain_penalty(logp, logp_ref, mask, group_size):
@@ -202,6 +202,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "device_kind": device,
         "torch": torch.__version__,
+        "commit": source_commit(),
         "threads": torch.get_num_threads(),
         "reps": reps,
         "time": time.strftime("%Y-%m-%d %H:%M:%S"),

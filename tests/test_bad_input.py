@@ -183,3 +183,17 @@ def test_exact_kls_need_both_logits(given):
         klest.kl_estimate(P, Q, estimator="rb", **logits)
     with pytest.raises(ValueError, match="needs the full next-token distributions"):
         klest.kl_penalty(P, Q, grad="rb", **logits)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("n", [5, 100_003])
+def test_nan_or_inf_deep_in_a_long_logp_ref_is_rejected(bad, n):
+    """logp_ref may be -inf, so its check reads only its largest value: a NaN or +inf anywhere
+    (the vectorised reduction's tail included) must still reach it."""
+    logp = -torch.rand(n, generator=torch.Generator().manual_seed(0), dtype=torch.float64) - 0.1
+    for where in (0, n // 2, n - 1):
+        logp_ref = logp.clone()
+        logp_ref[where] = bad
+        what = "NaN" if bad != bad else r"\+inf"
+        with pytest.raises(ValueError, match=rf"logp_ref contains {what} at .*index \({where},\)"):
+            klest.k1(logp, logp_ref)

@@ -75,7 +75,7 @@ def test_overhead_quick_writes_every_case_and_appends_the_run(tmp_path):
         done = run_script("bench_overhead", "--quick", "--out", str(tmp_path), "--device", "cpu")
         assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads((tmp_path / "overhead-cpu.json").read_text())
-    assert len(report["cases"]) == 3
+    assert len(report["cases"]) == 3 and "commit" in report
     for case in report["cases"]:
         assert set(case["results"]) == {"plain", "klest"}
         for r in case["results"].values():
