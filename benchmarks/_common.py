@@ -67,7 +67,8 @@ def copy_bandwidth() -> float:
 
 def source_commit() -> str | None:
     """The git commit of the code being measured, with ``+dirty`` when the tree has changes
-    (None outside a git checkout): runs in a ``.runs.jsonl`` file are then traceable."""
+    outside ``benchmarks/results`` (None outside a git checkout): runs in a ``.runs.jsonl``
+    file are then traceable."""
     root = Path(__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
@@ -77,7 +78,11 @@ def source_commit() -> str | None:
     commit = git("rev-parse", "--short", "HEAD")
     if not commit:
         return None
-    return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
+    return commit + (
+        "+dirty"
+        if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")
+        else ""
+    )
 
 
 def append_run(name: str, report: dict, out: Path) -> Path:
