@@ -37,6 +37,9 @@ def test_keep_valid_passes_the_gradient_where_valid_only():
     (keep_valid(x, valid) * weights).sum().backward()
     assert torch.equal(x.grad, torch.where(valid, weights, 0.0))
     assert torch.autograd.gradcheck(lambda z: keep_valid(z, valid), (x.detach().requires_grad_(),))
+    # The backward reuses the forward's bits; twice differentiable (create_graph) as well.
+    z = x.detach().requires_grad_()
+    assert torch.autograd.gradgradcheck(lambda z: keep_valid(z, valid) * z, (z,))
 
 
 def _masked_inputs():
