@@ -379,3 +379,41 @@ def test_exp_neg_tail_is_exp_tail_of_the_negation_bit_for_bit(dtype):
     keep = expected != 0
     rel = ((exp_neg_tail(finite).double() - expected).abs() / expected.abs())[keep].max()
     assert rel < (2e-6 if dtype == torch.float32 else 1e-14)
+
+
+# d/dx of e^x - 1 - x, e^-x - 1 + x and x e^x - e^x + 1, written independently of the code.
+_TAIL_DERIVATIVES = [
+    (exp_tail, torch.expm1),
+    (exp_neg_tail, lambda x: -torch.expm1(-x)),
+    (xexp_tail, lambda x: x * torch.exp(x)),
+]
+
+
+@pytest.mark.parametrize(("fn", "derivative"), _TAIL_DERIVATIVES)
+def test_tail_functions_under_forward_mode_ad_and_vmap(fn, derivative):
+    """The in-place fast path (``addcmul(out=)``) is one that forward-mode AD and ``vmap``
+    reject: under them each function takes the graph path, on both sides of the radius."""
+    xs = torch.tensor(_grid(), dtype=torch.float64)
+    xs = xs[xs.abs() < 30]
+    ones = torch.ones_like(xs)
+    value, tangent = torch.func.jvp(fn, (xs,), (ones,))
+    assert torch.equal(value, fn(xs))
+    torch.testing.assert_close(tangent, derivative(xs), rtol=1e-13, atol=1e-300)
+    assert torch.equal(torch.func.vmap(fn)(xs.view(2, -1)), fn(xs).view(2, -1))
+
+
+@pytest.mark.parametrize("direction", ["pi||ref", "ref||pi"])
+def test_k3_under_forward_mode_ad_equals_the_autograd_directional_derivative(direction):
+    g = torch.Generator().manual_seed(11)
+    logp = -torch.rand(3, 5, generator=g, dtype=torch.float64) * 2
+    logp_ref = logp + 0.3 * torch.randn(3, 5, generator=g, dtype=torch.float64)
+    logp_ref = logp_ref.clamp(max=0)
+    v = torch.randn(3, 5, generator=g, dtype=torch.float64)
+
+    def f(x):
+        return klest.k3(x, logp_ref, direction=direction)
+
+    x = logp.clone().requires_grad_()
+    (grad,) = torch.autograd.grad(f(x), x)
+    _, tangent = torch.func.jvp(f, (logp,), (v,))
+    torch.testing.assert_close(tangent, (grad * v).sum(), rtol=1e-12, atol=1e-15)

@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 from torch import Tensor
-from torch.autograd import forward_ad
+
+from klest._autodiff import transforms_active
 
 _BITS = {
     torch.float64: torch.int64,
@@ -24,15 +25,6 @@ _BITS = {
     torch.float16: torch.int16,
     torch.bfloat16: torch.int16,
 }
-
-
-def _transforms_active() -> bool:
-    """Whether a forward-mode AD level or a functorch transform is active (a C call and an
-    attribute read: well under a microsecond)."""
-    if getattr(forward_ad, "_current_level", -1) >= 0:
-        return True
-    active = getattr(torch._C, "_are_functorch_transforms_active", None)
-    return bool(active()) if active is not None else False
 
 
 def mask_bits(valid: Tensor, dtype: torch.dtype) -> Tensor:
@@ -44,7 +36,7 @@ def mask_bits(valid: Tensor, dtype: torch.dtype) -> Tensor:
 def keep_valid(x: Tensor, valid: Tensor, bits: Tensor | None = None) -> Tensor:
     """``torch.where(valid, x, 0)`` for float ``x`` (``bits``: :func:`mask_bits` of ``valid``
     for ``x``'s dtype, when the caller reuses it), with ``where``'s gradient."""
-    if _transforms_active():  # tangents and functorch rules: where has them
+    if transforms_active():  # tangents and functorch rules: where has them
         return torch.where(valid, x, 0.0)
     if bits is None:
         bits = mask_bits(valid, x.dtype)

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from klest._autodiff import records_derivatives
+
 # e^x - 1 - x = sum_{k>=2} x^k / k!, and e^-x - 1 + x = sum_{k>=2} (-x)^k / k!
 _EXP_TAIL = tuple(1.0 / math.factorial(k) for k in range(2, 18))
 _EXP_NEG_TAIL = tuple((-1.0) ** k / math.factorial(k) for k in range(2, 18))
@@ -48,7 +50,7 @@ _XEXP_TAIL_SERIES = _Series(_XEXP_TAIL, 0.5, {torch.float64: 17}, 9)
 
 def _series_or_direct(x: Tensor, series: _Series, direct) -> Tensor:
     coeffs = series.coeffs[: series.degree.get(x.dtype, series.default_degree) - 1]
-    if torch.is_grad_enabled() and x.requires_grad:
+    if records_derivatives(x):
         # With a graph, each branch sees only inputs valid for it (the unselected branch's
         # backward would otherwise put inf * 0 = NaN into the gradient).
         small = x.abs() < series.radius
@@ -95,7 +97,7 @@ def exp_tail(x: Tensor) -> Tensor:
 
 def _expm1_minus_identity(z: Tensor) -> Tensor:
     """``expm1(z) - z``, in place on ``expm1``'s result when no graph is recorded."""
-    if torch.is_grad_enabled() and z.requires_grad:
+    if records_derivatives(z):
         return torch.expm1(z) - z
     return torch.expm1(z).sub_(z)
 
@@ -109,7 +111,7 @@ def exp_neg_tail(x: Tensor) -> Tensor:
 
 def _expm1_neg_plus_identity(z: Tensor) -> Tensor:
     """``expm1(-z) + z``, in place on the negation when no graph is recorded."""
-    if torch.is_grad_enabled() and z.requires_grad:
+    if records_derivatives(z):
         return torch.expm1(-z) + z
     return torch.neg(z).expm1_().add_(z)
 

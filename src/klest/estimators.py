@@ -107,7 +107,9 @@ class LogRatios:
     log_w: Tensor | None
     valid: Tensor | None
     shape: torch.Size
-    logp: Tensor  # log pi per row and token, 0 at masked positions, with the caller's graph
+    # log pi per row and token, 0 at masked positions, with the caller's graph; None at the
+    # sequence level (scores are per token: surrogates take the token-level LogRatios)
+    logp: Tensor | None
     bits: Tensor | None = None  # klest._masks.mask_bits of valid for delta's dtype, for reuse
 
     def valid_or_all(self) -> Tensor:
@@ -187,7 +189,8 @@ def prepare_log_ratios(
 
 
 def at_sequence_level(lr: LogRatios) -> LogRatios:
-    """One log-ratio (and log-weight) per row: the sums over its tokens, ``[rows, 1]``."""
+    """One log-ratio (and log-weight) per row: the sums over its tokens, ``[rows, 1]`` (no
+    ``logp``: scores stay per token)."""
     if len(lr.shape) < 2:
         return lr  # a 1-D input holds independent samples: each is its own sequence
     return LogRatios(
@@ -195,7 +198,7 @@ def at_sequence_level(lr: LogRatios) -> LogRatios:
         None if lr.log_w is None else lr.log_w.sum(-1, keepdim=True),
         None if lr.valid is None else lr.valid.any(-1, keepdim=True),
         torch.Size((*lr.shape[:-1], 1)),
-        lr.logp.sum(-1, keepdim=True),
+        None,
     )
 
 
