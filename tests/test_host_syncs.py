@@ -101,14 +101,24 @@ HAS_TRITON = triton_available()
 
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked lanes
-def test_exact_kl_from_logits_on_the_kernels_reads_once_and_none_without_validation(monkeypatch):
-    """The Triton path (the one CUDA runs; here through the interpreter). Without a mask: with a
-    mask, the rows to skip are read on the host (one more read); the chunked PyTorch engine, the
-    CPU's path, reads per chunk whether a row needs its slow path."""
+@pytest.mark.parametrize("masked", [False, True])
+def test_exact_kl_from_logits_on_the_kernels_reads_once_and_none_without_validation(
+    masked, monkeypatch
+):
+    """The Triton path (the one CUDA runs; here through the interpreter). A mask or ignored
+    labels reach the kernels as one flag per row, so the rows to skip need no host read. (The
+    chunked PyTorch engine, the CPU's path, reads per chunk whether a row needs its slow path.)"""
     g = make_generator(1)
     z = torch.randn(4, 6, 33, generator=g, requires_grad=True)
     y = torch.randn(4, 6, 33, generator=g)
+    mask = labels = None
+    if masked:
+        mask = torch.rand(4, 6, generator=g) > 0.3
+        labels = torch.randint(0, 33, (4, 6), generator=g)
+        labels[0, :2] = -100
     for validate, allowed in ((True, 1), (False, 0)):
         with counted_host_reads(monkeypatch) as calls:
-            klest.kl_from_logits(z, y, validate=validate, backend="triton").backward()
+            klest.kl_from_logits(
+                z, y, mask=mask, labels=labels, validate=validate, backend="triton"
+            ).backward()
         assert len(calls) <= allowed, calls

@@ -606,6 +606,33 @@ def test_empty_batch():
     assert all(getattr(stats, f).shape == (0,) for f in FIELDS)
 
 
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked lanes
+def test_rows_not_kept_are_not_read_and_get_zeros():
+    """``keep``: rows flagged False may hold anything (NaN, +inf); they get 0 statistics and 0
+    gradients, and the kept rows are what they are without the flags, bit for bit."""
+    g = torch.Generator().manual_seed(21)
+    z, y = torch.randn(6, 70, generator=g), torch.randn(6, 70, generator=g)
+    labels = torch.tensor([3, 4, -100, 5, 69, 0])
+    keep = torch.tensor([True, False, True, True, False, True])
+    bad_z, bad_y = z.clone(), y.clone()
+    bad_z[1], bad_y[4] = float("nan"), float("inf")
+    z, y, bad_z, bad_y, labels, keep = to_dev(z, y, bad_z, bad_y, labels, keep)
+    full = kl_logits_forward(z, y, labels=labels)
+    part = kl_logits_forward(bad_z, bad_y, labels=labels, keep=keep)
+    for f in FIELDS:
+        assert torch.equal(getattr(part, f), torch.where(keep, getattr(full, f), 0.0)), f
+    ones = torch.ones_like(full.lse_z)
+    kw = dict(grad_kl_pi_ref=ones, grad_kl_ref_pi=ones, grad_logp_label=ones, labels=labels)
+    dz, dy = kl_logits_backward(z, y, full, need_grad_y=True, **kw)
+    dz2, dy2 = kl_logits_backward(bad_z, bad_y, part, need_grad_y=True, keep=keep, **kw)
+    assert torch.equal(dz2, dz * keep[:, None]) and torch.equal(dy2, dy * keep[:, None])
+    with pytest.raises(TypeError, match="keep must be a bool tensor"):
+        kl_logits_forward(z, y, keep=keep.int())
+    with pytest.raises(ValueError, match=r"keep must have shape \(6,\)"):
+        kl_logits_forward(z, y, keep=keep[:5])
+
+
 # ----------------------------------------------------------------------------- GPU compile
 
 _COMPILE_FOR_SM90 = """
@@ -616,23 +643,28 @@ from klest.logits.kernels import _kl_logits_triton as kern
 
 ints = dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "N", "V"), "i32")
 fwd = {"z_ptr": "*bf16", "y_ptr": "*fp16", "label_ptr": "*i64", "out_ptr": "*fp32",
-       "path_ptr": "*i32", **{k: ints[k] for k in ("stride_z", "stride_y", "N", "V")},
+       "path_ptr": "*i32", "keep_ptr": "*u8",
+       **{k: ints[k] for k in ("stride_z", "stride_y", "N", "V")},
        "scale": "fp32", "HAS_LABELS": "constexpr", "RECORD_PATH": "constexpr",
+       "HAS_KEEP": "constexpr",
        "WANT_AB": "constexpr", "WANT_BA": "constexpr", "WANT_ENT": "constexpr",
        "BLOCK_V": "constexpr"}
-flags = ("HAS_G1", "HAS_G2", "HAS_G3", "HAS_G4", "HAS_G5", "NEED_DZ", "NEED_DY", "USE_Z", "USE_Y")
+flags = ("HAS_G1", "HAS_G2", "HAS_G3", "HAS_G4", "HAS_G5", "NEED_DZ", "NEED_DY", "USE_Z", "USE_Y",
+         "HAS_KEEP")
 rows = ("lse_a_ptr", "lse_b_ptr", "kl_ab_ptr", "kl_ba_ptr", "ent_ptr",
         "g1_ptr", "g2_ptr", "g3_ptr", "g4_ptr", "g5_ptr")
 bwd = {"z_ptr": "*bf16", "y_ptr": "*fp32", "label_ptr": "*i64", **dict.fromkeys(rows, "*fp32"),
-       "dz_ptr": "*bf16", "dy_ptr": "*fp32",
+       "dz_ptr": "*bf16", "dy_ptr": "*fp32", "keep_ptr": "*u8",
        **{k: ints[k] for k in ("stride_z", "stride_y", "stride_dz", "stride_dy", "V")},
        "scale": "fp32", "inv_tau": "fp32", **dict.fromkeys(flags, "constexpr"),
        "BLOCK_V": "constexpr"}
 every = dict.fromkeys(flags, True)
 pi_only = {**dict.fromkeys(flags, False), "HAS_G3": True, "HAS_G4": True, "NEED_DZ": True,
+           "HAS_KEEP": True,
            "USE_Z": True}
 ref_only = {**dict.fromkeys(flags, False), "HAS_G5": True, "NEED_DY": True, "USE_Y": True}
-jobs = [(kern.kl_logits_fwd_kernel, fwd, {"HAS_LABELS": h, "RECORD_PATH": h, "WANT_AB": True,
+jobs = [(kern.kl_logits_fwd_kernel, fwd, {"HAS_LABELS": h, "RECORD_PATH": h, "HAS_KEEP": h,
+                                           "WANT_AB": True,
                                            "WANT_BA": h,
                                            "WANT_ENT": h, "BLOCK_V": 1024}) for h in (True, False)]
 for c in (every, pi_only, ref_only):

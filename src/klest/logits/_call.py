@@ -9,6 +9,7 @@ five per-row outputs into the public result (:func:`finish`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -54,17 +55,31 @@ class LogitsDetails(NamedTuple):
 class Positions:
     """The positions of one call: their shape, labels, which count, and what is returned.
 
-    ``rows`` are the flat indices of the kept positions (None: all of them); ``keep`` is the
-    boolean ``[...]`` mask they come from.
+    ``keep`` is the boolean ``[...]`` mask of the positions that count (None: all of them);
+    :attr:`rows` are their flat indices, found on the host when a path first asks for them (the
+    Triton kernels take :attr:`keep_rows` instead and skip the others without a host read).
     """
 
     lead: torch.Size
     labels: Tensor | None
     keep: Tensor | None
-    rows: Tensor | None
     direction: str
     reduction: str
     details: bool
+
+    @property
+    def keep_rows(self) -> Tensor | None:
+        """``keep`` flattened to one flag per row of the ``[N, V]`` problem, or None."""
+        return None if self.keep is None else self.keep.reshape(-1)
+
+    @functools.cached_property
+    def rows(self) -> Tensor | None:
+        """The flat indices of the kept positions, None when every one is kept (one host read,
+        the first time)."""
+        if self.keep is None:
+            return None
+        rows = self.keep.reshape(-1).nonzero().view(-1)
+        return None if rows.numel() == self.keep.numel() else rows
 
 
 def positions(
@@ -94,12 +109,7 @@ def positions(
     if flat is not None:
         labelled = (flat != ignore_index).reshape(lead)
         keep = labelled if keep is None else keep & labelled
-    rows = None
-    if keep is not None:  # one host read: which rows count (the others are skipped)
-        rows = keep.reshape(-1).nonzero().view(-1)
-        if rows.numel() == keep.numel():
-            rows = None
-    return Positions(lead, flat, keep, rows, direction, reduction, details)
+    return Positions(lead, flat, keep, direction, reduction, details)
 
 
 def finish(outputs: tuple[Tensor, ...], pos: Positions) -> Tensor | WithDetails[LogitsDetails]:
@@ -125,7 +135,8 @@ def finish(outputs: tuple[Tensor, ...], pos: Positions) -> Tensor | WithDetails[
 class RowPlan:
     """Everything about one call that is not a tensor (for the autograd Function).
 
-    ``merge`` (vocab-parallel) turns this shard's row statistics into those of the whole row;
+    ``merge`` (vocab-parallel) turns this shard's row statistics into those of the whole row
+    (0 on the rows whose flag is False, given a bool ``[N]`` mask);
     ``stash`` names the KL whose gradient is written in the forward pass (PyTorch backend, the
     KL the only output), or is None to recompute in the backward.
     """

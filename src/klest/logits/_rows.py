@@ -267,13 +267,15 @@ def row_stats(
     want_entropy: bool,
     backend: str,
     chunk: int,
+    keep: Tensor | None = None,
     want_kl_ref_pi: bool = True,
     want_kl_pi_ref: bool = True,
     stash: str | None = None,
     stash_z: Tensor | None = None,
     stash_y: Tensor | None = None,
 ) -> KLRowStats:
-    """Per-row statistics of the selected rows (``rows``: int indices, or None for all).
+    """Per-row statistics of the selected rows (``rows``: int indices, or None for all; or,
+    on the Triton backend, ``keep``: one bool flag per row, read by the kernel).
 
     Rows not selected get 0 statistics. ``want_kl_ref_pi=False`` leaves ``KL(ref||pi)`` at 0
     unless the stash needs it (PyTorch backend; saves two passes when only ``KL(pi||ref)`` is
@@ -294,12 +296,9 @@ def row_stats(
             want_kl_pi_ref=want_kl_pi_ref,
             want_kl_ref_pi=want_kl_ref_pi,
             want_entropy=want_entropy,
+            keep=keep if rows is None else kept_mask(rows, n),
         )
-        if rows is None:  # float32 rows of the kernel's own [7, N] buffer, as they are
-            return stats
-        # [7, N] statistics: a select costs little and needs no host read.
-        keep = torch.zeros(n, dtype=torch.bool, device=z.device).index_fill_(0, rows, True)
-        return KLRowStats(*torch.where(keep, torch.stack(stats), 0.0).unbind(0))
+        return stats  # float32 rows of the kernel's own [7, N] buffer, as they are
 
     out = torch.zeros(7, n, dtype=_work_dtype(z), device=z.device)
     kl_ba = want_kl_ref_pi or stash == "ref||pi"
@@ -414,8 +413,10 @@ def row_grads(
     need_y: bool,
     backend: str,
     chunk: int,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """Gradients w.r.t. ``z`` and ``y`` (in their dtypes; 0 on rows not selected)."""
+    """Gradients w.r.t. ``z`` and ``y`` (in their dtypes; 0 on rows not selected: by ``rows``
+    or ``keep``, as in :func:`row_stats`)."""
     need_z = need_z and grads.any_z()
     need_y = need_y and grads.any_y()
     if backend == "triton":
@@ -432,8 +433,9 @@ def row_grads(
             grad_logp_ref_label=grads.logp_ref_label,
             need_grad_z=need_z,
             need_grad_y=need_y,
+            keep=keep if rows is None else kept_mask(rows, z.shape[0]),
         )
-        return zero_rows_except(dz, rows), zero_rows_except(dy, rows)
+        return dz, dy
 
     n = z.shape[0]
     dtype = stats.lse_z.dtype
@@ -458,6 +460,11 @@ def row_grads(
             if target is not None and val is not None:
                 _put_rows(target, sel, val.mul_(inv_tau))
     return dz, dy
+
+
+def kept_mask(rows: Tensor, n: int) -> Tensor:
+    """The bool ``[n]`` flags of the row indices ``rows``."""
+    return torch.zeros(n, dtype=torch.bool, device=rows.device).index_fill_(0, rows, True)
 
 
 def zeroed_rows_buffer(x: Tensor, rows: Tensor | None) -> Tensor:

@@ -52,7 +52,7 @@ from klest.logits._call import (
     plan_for,
     positions,
 )
-from klest.logits._rows import row_grads, row_stats, zeroed_rows_buffer
+from klest.logits._rows import kept_mask, row_grads, row_stats, zeroed_rows_buffer
 from klest.logits._stats import Grads, KLRowStats
 
 
@@ -60,7 +60,7 @@ class _RowsKL(torch.autograd.Function):
     """``(z [N, V], y [N, V]) -> five float [N] outputs`` (see ``_OUTPUTS``)."""
 
     @staticmethod
-    def forward(ctx, z, y, labels, rows, plan: RowPlan, checks: ValueChecks):
+    def forward(ctx, z, y, labels, rows, keep, plan: RowPlan, checks: ValueChecks):
         ctx.set_materialize_grads(False)
         stash_z = zeroed_rows_buffer(z, rows) if plan.stash and ctx.needs_input_grad[0] else None
         stash_y = zeroed_rows_buffer(y, rows) if plan.stash and ctx.needs_input_grad[1] else None
@@ -70,6 +70,7 @@ class _RowsKL(torch.autograd.Function):
             inv_tau=plan.inv_tau,
             labels=labels,
             rows=rows,
+            keep=keep,
             want_entropy=plan.want_entropy,
             backend=plan.backend,
             chunk=plan.chunk,
@@ -80,14 +81,14 @@ class _RowsKL(torch.autograd.Function):
             stash_y=stash_y,
         )
         if plan.merge is not None:
-            stats = plan.merge(stats, rows)
+            stats = plan.merge(stats, keep if rows is None else kept_mask(rows, z.shape[0]))
         check_rows_have_distributions(stats.lse_z, stats.lse_y, None, checks)
         ctx.plan = plan
         if plan.stash:
             ctx.stash = (stash_z, stash_y)
             ctx.save_for_backward(stats.kl_pi_ref if plan.stash == "pi||ref" else stats.kl_ref_pi)
         else:
-            ctx.save_for_backward(z, y, labels, rows, *stats)
+            ctx.save_for_backward(z, y, labels, rows, keep, *stats)
         return tuple(getattr(stats, name) for name in OUTPUTS)
 
     @staticmethod
@@ -95,8 +96,8 @@ class _RowsKL(torch.autograd.Function):
     def backward(ctx, *grads):
         plan: RowPlan = ctx.plan
         if plan.stash:
-            return (*_scale_stash(ctx, grads), None, None, None, None)
-        z, y, labels, rows, *stats = ctx.saved_tensors
+            return (*_scale_stash(ctx, grads), None, None, None, None, None)
+        z, y, labels, rows, keep, *stats = ctx.saved_tensors
         dz, dy = row_grads(
             z,
             y,
@@ -105,12 +106,13 @@ class _RowsKL(torch.autograd.Function):
             inv_tau=plan.inv_tau,
             labels=labels,
             rows=rows,
+            keep=keep,
             need_z=ctx.needs_input_grad[0],
             need_y=ctx.needs_input_grad[1],
             backend=plan.backend,
             chunk=plan.chunk,
         )
-        return dz, dy, None, None, None, None
+        return dz, dy, None, None, None, None, None
 
 
 def _scale_stash(ctx, grads: tuple) -> tuple[Tensor | None, Tensor | None]:
@@ -140,12 +142,16 @@ def rows_kl(
     z: Tensor,
     y: Tensor,
     labels: Tensor | None,
-    rows: Tensor | None,
+    pos: Positions,
     plan: RowPlan,
     checks: ValueChecks,
 ) -> tuple[Tensor, ...]:
-    """Apply the autograd Function to ``[N, V]`` logits; five float ``[N]`` outputs."""
-    return _RowsKL.apply(z, y, labels, rows, plan, checks)
+    """Apply the autograd Function to ``[N, V]`` logits; five float ``[N]`` outputs, 0 on the
+    rows ``pos`` does not keep. The Triton kernels skip those by their flags (no host read); the
+    PyTorch engine gathers the kept rows (their indices: one host read)."""
+    if plan.backend == "triton":
+        return _RowsKL.apply(z, y, labels, None, pos.keep_rows, plan, checks)
+    return _RowsKL.apply(z, y, labels, pos.rows, None, plan, checks)
 
 
 def logits_positions(
@@ -219,7 +225,7 @@ def _run(
         chunk_size=chunk_size,
         stash=stash,
     )
-    return rows_kl(z, y, pos.labels, pos.rows, plan, checks), pos
+    return rows_kl(z, y, pos.labels, pos, plan, checks), pos
 
 
 def position_kls(

@@ -54,7 +54,7 @@ def _owned(owner: Tensor | None, x: Tensor) -> Tensor:
     return torch.zeros_like(x) if owner is None else torch.where(owner, x, 0.0)
 
 
-def _merge_shards(stats: KLRowStats, rows: Tensor | None, *, group, owner: Tensor | None):
+def _merge_shards(stats: KLRowStats, keep: Tensor | None, *, group, owner: Tensor | None):
     """Whole-row statistics from every rank's shard statistics (module docstring)."""
     lse = torch.stack([stats.lse_z, stats.lse_y])
     top = lse.clone()
@@ -88,10 +88,8 @@ def _merge_shards(stats: KLRowStats, rows: Tensor | None, *, group, owner: Tenso
         logp_label=l_a - log_s_a,
         logp_ref_label=l_b - log_s_b,
     )
-    if rows is None:
+    if keep is None:
         return merged
-    keep = torch.zeros_like(s_a, dtype=torch.bool)
-    keep[rows] = True
     return KLRowStats(*(torch.where(keep, m, 0.0) for m in merged))
 
 
@@ -195,9 +193,9 @@ def kl_from_logits_vocab_parallel(
         stash=False,
     )
 
-    def merge(stats: KLRowStats, rows: Tensor | None) -> KLRowStats:
-        return _merge_shards(stats, rows, group=group, owner=owner)
+    def merge(stats: KLRowStats, keep: Tensor | None) -> KLRowStats:
+        return _merge_shards(stats, keep, group=group, owner=owner)
 
-    outputs = rows_kl(z, y, local, pos.rows, replace(plan, merge=merge), checks)
+    outputs = rows_kl(z, y, local, pos, replace(plan, merge=merge), checks)
     checks.run()
     return finish(outputs, pos)

@@ -243,6 +243,7 @@ def kl_logits_fwd_kernel(
     label_ptr,
     out_ptr,
     path_ptr,
+    keep_ptr,
     stride_z,
     stride_y,
     N,
@@ -250,6 +251,7 @@ def kl_logits_fwd_kernel(
     scale,
     HAS_LABELS: tl.constexpr,
     RECORD_PATH: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     WANT_AB: tl.constexpr,
     WANT_BA: tl.constexpr,
     WANT_ENT: tl.constexpr,
@@ -257,8 +259,31 @@ def kl_logits_fwd_kernel(
 ):
     """One row per program. ``out`` is a contiguous ``[7, N]`` float32 buffer; the KLs and the
     entropy not asked for (``WANT_*`` False) are written as 0. With ``RECORD_PATH``, ``path`` (int32
-    ``[N]``) gets the loop that gave the row: 0 fast, 1 fast with -inf clamped, 2 careful."""
+    ``[N]``) gets the loop that gave the row: 0 fast, 1 fast with -inf clamped, 2 careful. With
+    ``HAS_KEEP``, a row whose ``keep`` byte is 0 is not read: its seven outputs are 0 (path 0)."""
     row = tl.program_id(0).to(tl.int64)
+    kept = True
+    if HAS_KEEP:
+        kept = tl.load(keep_ptr + row) != 0
+    if kept:
+        _fwd_row(
+            z_ptr, y_ptr, label_ptr, out_ptr, path_ptr, row, stride_z, stride_y, N, V, scale,
+            HAS_LABELS, RECORD_PATH, WANT_AB, WANT_BA, WANT_ENT, BLOCK_V,
+        )  # fmt: skip
+    else:
+        for k in tl.static_range(7):
+            tl.store(out_ptr + k * N + row, 0.0)
+        if RECORD_PATH:
+            tl.store(path_ptr + row, 0)
+
+
+@triton.jit
+def _fwd_row(
+    z_ptr, y_ptr, label_ptr, out_ptr, path_ptr, row, stride_z, stride_y, N, V, scale,
+    HAS_LABELS: tl.constexpr, RECORD_PATH: tl.constexpr, WANT_AB: tl.constexpr,
+    WANT_BA: tl.constexpr, WANT_ENT: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """The forward kernel's work for one row."""
     z_row = z_ptr + row * stride_z
     y_row = y_ptr + row * stride_y
 
@@ -330,6 +355,7 @@ def kl_logits_bwd_kernel(
     g5_ptr,
     dz_ptr,
     dy_ptr,
+    keep_ptr,
     stride_z,
     stride_y,
     stride_dz,
@@ -346,12 +372,42 @@ def kl_logits_bwd_kernel(
     NEED_DY: tl.constexpr,
     USE_Z: tl.constexpr,
     USE_Y: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Program ``(row, block)``. The row statistics and ``g*`` are float32 ``[N]``."""
+    """Program ``(row, block)``. The row statistics and ``g*`` are float32 ``[N]``. With
+    ``HAS_KEEP``, a row whose ``keep`` byte is 0 is not read and gets zero gradients."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     inside = offs < V
+    kept = True
+    if HAS_KEEP:
+        kept = tl.load(keep_ptr + row) != 0
+    if kept:
+        _bwd_block(
+            z_ptr, y_ptr, label_ptr, lse_a_ptr, lse_b_ptr, kl_ab_ptr, kl_ba_ptr, ent_ptr,
+            g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr, dz_ptr, dy_ptr, row, offs, inside,
+            stride_z, stride_y, stride_dz, stride_dy, scale, inv_tau,
+            HAS_G1, HAS_G2, HAS_G3, HAS_G4, HAS_G5, NEED_DZ, NEED_DY, USE_Z, USE_Y, BLOCK_V,
+        )  # fmt: skip
+    else:
+        zero = tl.zeros([BLOCK_V], dtype=tl.float32)
+        if NEED_DZ:
+            tl.store(dz_ptr + row * stride_dz + offs, zero.to(dz_ptr.dtype.element_ty), mask=inside)
+        if NEED_DY:
+            tl.store(dy_ptr + row * stride_dy + offs, zero.to(dy_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def _bwd_block(
+    z_ptr, y_ptr, label_ptr, lse_a_ptr, lse_b_ptr, kl_ab_ptr, kl_ba_ptr, ent_ptr,
+    g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr, dz_ptr, dy_ptr, row, offs, inside,
+    stride_z, stride_y, stride_dz, stride_dy, scale, inv_tau,
+    HAS_G1: tl.constexpr, HAS_G2: tl.constexpr, HAS_G3: tl.constexpr, HAS_G4: tl.constexpr,
+    HAS_G5: tl.constexpr, NEED_DZ: tl.constexpr, NEED_DY: tl.constexpr, USE_Z: tl.constexpr,
+    USE_Y: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """The backward kernel's work for one block of one row."""
     neg_inf = float("-inf")
     big = 3.0e38
 

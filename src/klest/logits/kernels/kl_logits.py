@@ -121,6 +121,20 @@ def _check_labels(labels: object, n: int, device: torch.device) -> Tensor | None
     return labels.to(torch.int64).contiguous()
 
 
+def _check_keep(keep: object, n: int, device: torch.device) -> Tensor | None:
+    """``keep`` as contiguous bytes (a bool is the byte 0 or 1), or None."""
+    if keep is None:
+        return None
+    if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
+        raise TypeError(f"keep must be a bool tensor, got {getattr(keep, 'dtype', type(keep))}")
+    if keep.shape != (n,) or keep.device != device:
+        raise ValueError(
+            f"keep must have shape ({n},) on {device} (one flag per row of z), got "
+            f"{tuple(keep.shape)} on {keep.device}"
+        )
+    return keep.contiguous().view(torch.uint8)
+
+
 def _block_v(block_v: object, v: int) -> int:
     """The vocabulary block: the given power of two, else ``min(1024, next_pow2(V))``."""
     if block_v is None:
@@ -169,6 +183,7 @@ def kl_logits_forward(
     block_v: int | None = None,
     num_warps: int | None = None,
     careful_rows: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> KLRowStats:
     r"""Both KLs, pi's entropy, the log-normalizers and label log-probs, in one pass.
 
@@ -205,6 +220,9 @@ def kl_logits_forward(
       careful_rows: optional int32 ``[N]`` tensor on ``z``'s device, filled with the loop that
         gave each row: 0 the fast loop, 1 its re-read with ``-inf`` clamped, 2 the careful loop
         (for tests and benchmarks).
+      keep: optional bool ``[N]`` on ``z``'s device: rows where it is False are not read and get
+        0 for every statistic (masked positions, with no host read to find them; their logits
+        may hold anything).
 
     Returns:
       :class:`KLRowStats`, every field float32 ``[N]``. KLs are ``+inf`` where one distribution
@@ -229,6 +247,7 @@ def kl_logits_forward(
         raise TypeError(
             f"careful_rows must be a contiguous int32 tensor of shape ({n},) on {z.device}"
         )
+    keep = _check_keep(keep, n, z.device)
     out = torch.empty(7, n, dtype=torch.float32, device=z.device)
     if labels is None:
         out[5:].zero_()
@@ -240,6 +259,7 @@ def kl_logits_forward(
             out if labels is None else labels,  # unused when HAS_LABELS is False
             out,
             out if careful_rows is None else careful_rows,
+            out if keep is None else keep,
             z.stride(0),
             y.stride(0),
             n,
@@ -247,6 +267,7 @@ def kl_logits_forward(
             math.log2(math.e) / tau,
             HAS_LABELS=labels is not None,
             RECORD_PATH=careful_rows is not None,
+            HAS_KEEP=keep is not None,
             WANT_AB=bool(want_kl_pi_ref),
             WANT_BA=bool(want_kl_ref_pi),
             WANT_ENT=bool(want_entropy),
@@ -272,6 +293,7 @@ def kl_logits_backward(
     need_grad_y: bool = False,
     block_v: int | None = None,
     num_warps: int | None = None,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     r"""Gradients of :math:`\sum_n [g_1 KL(\pi\|ref) + g_2 KL(ref\|\pi) + g_3 H + g_4 \log q_l +
     g_5 \log p_l]_n` with respect to ``z`` and ``y``.
@@ -306,6 +328,8 @@ def kl_logits_backward(
       need_grad_y: compute the gradient w.r.t. ``y``.
       block_v: vocabulary block of the backward grid (power of two, >= 16).
       num_warps: warps per program, as in :func:`kl_logits_forward`.
+      keep: as in :func:`kl_logits_forward`: rows where it is False are not read and get zero
+        gradients.
 
     Returns:
       ``(dz, dy)``: contiguous ``[N, V]`` tensors in ``z``'s and ``y``'s dtypes (zeros where no
@@ -339,6 +363,7 @@ def kl_logits_backward(
         for nm, t in zip(names, given, strict=True)
     ]
     g1, g2, g3, g4, g5 = g
+    keep = _check_keep(keep, n, dev)
     if labels is None and (g4 is not None or g5 is not None):
         raise ValueError("grad_logp_label / grad_logp_ref_label need the labels they refer to")
 
@@ -367,6 +392,7 @@ def kl_logits_backward(
             *(dummy if t is None else t for t in g),
             dummy if dz is None else dz,
             dummy if dy is None else dy,
+            dummy if keep is None else keep,
             z.stride(0),
             y.stride(0),
             v if dz is None else dz.stride(0),
@@ -383,6 +409,7 @@ def kl_logits_backward(
             NEED_DY=run_dy,
             USE_Z=run_dz or (run_dy and both_sides),
             USE_Y=run_dy or (run_dz and both_sides),
+            HAS_KEEP=keep is not None,
             BLOCK_V=bv,
             num_warps=warps,
         )
