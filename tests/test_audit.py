@@ -167,6 +167,19 @@ def test_mean_shift_z_checks_hold_over_seeds():
         assert_failures_consistent(values, 1.0, RATE, key)
 
 
+def _penalty_gradient_draws(tb, grad: str, *, n_trials: int, seed: int) -> torch.Tensor:
+    """``[n_trials, n_params]`` float64: batch after batch of 8 from one generator seeded with
+    ``seed``, each batch's gradient of kl_penalty(k3, ``grad``)."""
+    g = make_generator(seed)
+    rows = []
+    for _ in range(n_trials):
+        s = tb.sample(8, generator=g)
+        loss = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, grad=grad)
+        (grad_,) = torch.autograd.grad(loss, tb.parameters())
+        rows.append(grad_.reshape(-1).double())
+    return torch.stack(rows)
+
+
 def test_grad_audit_reports_the_mean_gradient_and_the_bias_vector():
     from klest.audit import audit_grad
     from klest.testbeds import TabularAutoregressive
@@ -176,16 +189,8 @@ def test_grad_audit_reports_the_mean_gradient_and_the_bias_vector():
     a = audit_grad("k3/cumulative", tb, batch_size=8, n_trials=400, seed=7)
     assert a.mean_grad.shape == a.bias.shape == a.se.shape == exact.shape
     assert not (a.mean_grad.requires_grad or a.bias.requires_grad)
-    # The same draws recomputed here without the audit's code: batch after batch of 8 from one
-    # generator seeded with 7, each batch's gradient of kl_penalty(k3, cumulative).
-    g = make_generator(7)
-    rows = []
-    for _ in range(400):
-        s = tb.sample(8, generator=g)
-        loss = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, grad="cumulative")
-        (grad,) = torch.autograd.grad(loss, tb.parameters())
-        rows.append(grad.reshape(-1).double())
-    draws = torch.stack(rows)
+    # The same draws recomputed here without the audit's code.
+    draws = _penalty_gradient_draws(tb, "cumulative", n_trials=400, seed=7)
     mean = draws.mean(0)
     torch.testing.assert_close(a.mean_grad, mean, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(a.bias, mean - exact, rtol=0, atol=1e-15)
@@ -216,22 +221,15 @@ def test_grad_audit_reports_the_mean_gradient_and_the_bias_vector():
 
 def test_grad_audit_summaries_match_a_regression_written_here():
     """``rel_bias``, ``rel_bias_debiased``, the cosines and the regression coefficients with
-    their standard errors, recomputed in float64 from the same draws (the loop of the test
-    above) with the normal equations solved here: each draw g_i regressed on the two exact
-    gradients, the coefficients averaged over draws, their se the sd over draws / sqrt(n)."""
+    their standard errors, recomputed in float64 from the same draws (recomputed here) with
+    the normal equations solved here: each draw regressed on the two exact gradients, the
+    coefficients averaged over draws, their se the sd over draws / sqrt(n)."""
     from klest.audit import audit_grad
     from klest.testbeds import TabularAutoregressive
 
     tb = TabularAutoregressive.random(3, 3, eos=2, seed=4, scale=0.8)
     a = audit_grad("k3/score", tb, batch_size=8, n_trials=200, seed=5)
-    g = make_generator(5)
-    rows = []
-    for _ in range(200):
-        s = tb.sample(8, generator=g)
-        loss = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, grad="score")
-        (grad,) = torch.autograd.grad(loss, tb.parameters())
-        rows.append(grad.reshape(-1).double())
-    draws = torch.stack(rows)
+    draws = _penalty_gradient_draws(tb, "score", n_trials=200, seed=5)
     e1 = torch.cat([g.reshape(-1) for g in tb.exact_kl_grad("pi||ref")]).double()
     e2 = torch.cat([g.reshape(-1) for g in tb.exact_kl_grad("ref||pi")]).double()
     mean = draws.mean(0)
