@@ -167,6 +167,19 @@ def test_mean_shift_z_checks_hold_over_seeds():
         assert_failures_consistent(values, 1.0, RATE, key)
 
 
+def _penalty_gradient_draws(tb, grad: str, *, n_trials: int, seed: int) -> torch.Tensor:
+    """``[n_trials, n_params]`` float64: batch after batch of 8 from one generator seeded with
+    ``seed``, each batch's gradient of kl_penalty(k3, ``grad``)."""
+    g = make_generator(seed)
+    rows = []
+    for _ in range(n_trials):
+        s = tb.sample(8, generator=g)
+        loss = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, grad=grad)
+        (grad_,) = torch.autograd.grad(loss, tb.parameters())
+        rows.append(grad_.reshape(-1).double())
+    return torch.stack(rows)
+
+
 def test_grad_audit_reports_the_mean_gradient_and_the_bias_vector():
     from klest.audit import audit_grad
     from klest.testbeds import TabularAutoregressive
@@ -176,16 +189,8 @@ def test_grad_audit_reports_the_mean_gradient_and_the_bias_vector():
     a = audit_grad("k3/cumulative", tb, batch_size=8, n_trials=400, seed=7)
     assert a.mean_grad.shape == a.bias.shape == a.se.shape == exact.shape
     assert not (a.mean_grad.requires_grad or a.bias.requires_grad)
-    # The same draws recomputed here without the audit's code: batch after batch of 8 from one
-    # generator seeded with 7, each batch's gradient of kl_penalty(k3, cumulative).
-    g = make_generator(7)
-    rows = []
-    for _ in range(400):
-        s = tb.sample(8, generator=g)
-        loss = klest.kl_penalty(s.logp, s.logp_ref, mask=s.mask, grad="cumulative")
-        (grad,) = torch.autograd.grad(loss, tb.parameters())
-        rows.append(grad.reshape(-1).double())
-    draws = torch.stack(rows)
+    # The same draws recomputed here without the audit's code.
+    draws = _penalty_gradient_draws(tb, "cumulative", n_trials=400, seed=7)
     mean = draws.mean(0)
     torch.testing.assert_close(a.mean_grad, mean, rtol=1e-12, atol=1e-15)
     torch.testing.assert_close(a.bias, mean - exact, rtol=0, atol=1e-15)
@@ -212,3 +217,70 @@ def test_grad_audit_reports_the_mean_gradient_and_the_bias_vector():
     assert bool((b.bias.abs() > z * b.se).any())
     assert set(a.as_dict()) >= {"mean_grad", "bias", "se"}
     assert "mean_grad" not in repr(a)
+
+
+def test_grad_audit_summaries_match_a_regression_written_here():
+    """``rel_bias``, ``rel_bias_debiased``, the cosines and the regression coefficients with
+    their standard errors, recomputed in float64 from the same draws (recomputed here) with
+    the normal equations solved here: each draw regressed on the two exact gradients, the
+    coefficients averaged over draws, their se the sd over draws / sqrt(n)."""
+    from klest.audit import audit_grad
+    from klest.testbeds import TabularAutoregressive
+
+    tb = TabularAutoregressive.random(3, 3, eos=2, seed=4, scale=0.8)
+    a = audit_grad("k3/score", tb, batch_size=8, n_trials=200, seed=5)
+    draws = _penalty_gradient_draws(tb, "score", n_trials=200, seed=5)
+    e1 = torch.cat([g.reshape(-1) for g in tb.exact_kl_grad("pi||ref")]).double()
+    e2 = torch.cat([g.reshape(-1) for g in tb.exact_kl_grad("ref||pi")]).double()
+    mean = draws.mean(0)
+    bias2 = float(((mean - e1) ** 2).sum())
+    trace_cov = float(torch.cov(draws.T).trace())
+    assert a.rel_bias == pytest.approx(math.sqrt(bias2) / float(e1.norm()), rel=1e-9)
+    debiased = math.sqrt(max(bias2 - trace_cov / 200, 0.0)) / float(e1.norm())
+    assert a.rel_bias_debiased == pytest.approx(debiased, rel=1e-9, abs=1e-15)
+    assert a.cos_ref_pi == pytest.approx(float(mean @ e2 / (mean.norm() * e2.norm())), rel=1e-9)
+    gram = torch.tensor([[e1 @ e1, e1 @ e2], [e2 @ e1, e2 @ e2]], dtype=torch.float64)
+    per_draw = torch.linalg.solve(gram, torch.stack([draws @ e1, draws @ e2]))  # [2, n]
+    coefs, ses = per_draw.mean(1), per_draw.std(1) / math.sqrt(200)
+    got = torch.tensor([a.coef_pi_ref, a.coef_ref_pi, a.coef_pi_ref_se, a.coef_ref_pi_se])
+    torch.testing.assert_close(got.double(), torch.cat([coefs, ses]), rtol=1e-7, atol=1e-12)
+
+
+def test_grad_audit_calls_a_zero_mean_gradient_zero():
+    """k1's autodiff gradient is the score, whose expectation is exactly 0 (sum of grad pi):
+    600 batches of 8 are far from both exact gradients (z 18.3 and 17.0 at this seed; 17 to 20
+    over 29 seeds) and within the audit's threshold 4 of 0 (z(zero) is about N(0, 1) under the
+    null: one-sided false-fail rate 3.2e-5 < RATE)."""
+    from klest.audit import audit_grad
+    from klest.testbeds import TabularAutoregressive
+
+    tb = TabularAutoregressive.random(3, 3, eos=2, seed=4, scale=0.8)
+    a = audit_grad("k1/autodiff", tb, batch_size=8, n_trials=600, seed=1)
+    assert a.verdict == "mean gradient zero", a
+
+
+def test_mean_shift_z_of_constant_draws_at_the_target_is_zero():
+    """Draws that never vary and equal the target: z is 0 exactly, even when everything is 0
+    (a gradient that vanishes at pi = ref); a constant draw away from the target gives inf."""
+    from klest.audit import mean_shift_z
+
+    assert mean_shift_z(torch.zeros(10, 3, dtype=torch.float64), torch.zeros(3)) == 0.0
+    assert mean_shift_z(torch.ones(10, 3, dtype=torch.float64), torch.ones(3)) == 0.0
+    assert mean_shift_z(torch.ones(10, 3, dtype=torch.float64), torch.zeros(3)) == math.inf
+
+
+def test_value_audit_rounding_floor_is_relative_to_the_kl():
+    """A deterministic estimator (no spread: se = 0) off by a rounding-level relative 5e-13 of
+    a KL of 8 (mu = 4: KL = mu^2 / 2) is not significant; off by 1e-9 relative it is. The floor
+    on se is 1e-12 times the KL's magnitude."""
+    tb = GaussianTestbed.schulman(4.0)
+    exact = float(tb.exact_kl("pi||ref").detach())
+    assert exact == pytest.approx(8.0)
+
+    def constant(rel):
+        return lambda s: torch.full((s.logp.shape[0],), exact * (1 + rel), dtype=torch.float64)
+
+    near = audit_value(constant(5e-13), tb, batch_size=4, n_trials=3, z_threshold=3.0)
+    assert abs(near.z) < 1.0 and not near.significant, near
+    far = audit_value(constant(1e-9), tb, batch_size=4, n_trials=3, z_threshold=3.0)
+    assert far.significant, far

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 from klest.audit import SEQUENCE_VALUE_AUDIT, VALUE_AUDIT
+from klest.audit_topk import TOPK_AUDIT
 from klest.cli import main
 from tests._stats import RATE, assert_failures_consistent, z_for
 
@@ -149,6 +150,12 @@ def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys):
         (mean,) = [r for r in _table_rows(text, "k3/score+mean") if r[1] == direction]
         coef, se = _value_and_se(mean[8] if direction == "KL(pi||ref)" else mean[9])
         assert abs(coef - (1 - 1 / 8)) <= z * se, mean
+    # The top-k section: each estimator's value row and gradient row in both directions.
+    for est in TOPK_AUDIT:
+        rows = _table_rows(text, f"topk:{est}")
+        value_rows = [r[2] for r in rows if r[1].startswith("categorical")]
+        grad_rows = [r[1] for r in rows if not r[1].startswith("categorical")]
+        assert value_rows == grad_rows == ["KL(pi||ref)", "KL(ref||pi)"], (est, rows)
 
 
 def test_unknown_experiment_exits_with_a_message():

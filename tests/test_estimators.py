@@ -462,3 +462,16 @@ def test_f_divergence_levels_on_two_dimensional_inputs(level):
     r = torch.exp(-delta)
     want = (log_w.exp() * (r * torch.log(r) - (r - 1))).sum(-1)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+
+
+def test_logits_alone_or_logits_ref_alone_are_refused_where_not_read():
+    """Only "rb" reads logits: either one of the pair given to another estimator is an error
+    naming the option (not silently ignored); so is either one next to position_kls."""
+    logp = torch.log(torch.tensor([[0.5, 0.25]]))
+    z = torch.zeros(1, 2, 3)
+    for options in (dict(logits=z), dict(logits_ref=z), dict(logits=z, logits_ref=z)):
+        with pytest.raises(ValueError, match="apply only to estimator='rb'"):
+            klest.kl_estimate(logp, logp, estimator="k3", **options)
+        # "rb" takes the per-position KLs or logits, never both (nor position_kls and one half).
+        with pytest.raises(ValueError, match="either position_kls or logits"):
+            klest.kl_estimate(logp, logp, estimator="rb", position_kls=logp.abs(), **options)

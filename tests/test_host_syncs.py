@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import klest
+from klest.integrations import openrlhf, verl
 from klest.logits.kernels import triton_available
 from klest.testbeds import make_generator
 from tests._reference import random_log_probs
@@ -62,6 +63,13 @@ CALLS = {
         lp, lr, mask=m, grad="token", validate=v
     ),
     "aggregate": lambda lp, lr, m, v: klest.aggregate(lp, mask=m, validate=v),
+    # The drop-ins: a peer's value with klest's gradient checks its inputs once, like klest.
+    "verl k3 cumulative": lambda lp, lr, m, v: verl.kl_penalty(
+        lp, lr, "k3", grad="cumulative", mask=m, validate=v
+    ),
+    "openrlhf k2 score": lambda lp, lr, m, v: openrlhf.compute_approx_kl(
+        lp, lr, kl_estimator="k2", action_mask=m, grad="score", validate=v
+    ),
 }
 
 

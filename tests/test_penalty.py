@@ -845,3 +845,26 @@ def test_details_without_groups_are_detached_and_count_no_singletons():
         assert details.n_singleton_samples == 0
         assert not details.per_sequence.requires_grad
         torch.testing.assert_close(details.per_sequence, k3, rtol=1e-12, atol=1e-15)
+
+
+def test_reparameterized_samples_are_log_densities_without_density_flag():
+    """reparameterized=True implies log-densities (continuous x): a narrow Gaussian's
+    log-density above 0 is accepted without density=True. Value: k1's mean of
+    log pi(x) - log ref(x), written here in float64; gradient: the pathwise one, autodiff of
+    that mean through x = mu + sigma eps (computed here)."""
+    eps = torch.randn(64, generator=make_generator(3), dtype=torch.float64)
+    mu = torch.tensor(0.5, dtype=torch.float64, requires_grad=True)
+    sigma = 0.1
+    x = mu + sigma * eps
+
+    def normal(x, m, s):
+        return -0.5 * ((x - m) / s) ** 2 - math.log(s * math.sqrt(2 * math.pi))
+
+    lp, lq = normal(x, mu.detach(), sigma), normal(x, 0.0, 1.0)
+    assert bool((lp > 0).any())  # log-densities above 0: impossible for log-probs
+    got = klest.kl_penalty(lp, lq, estimator="k1", grad="pathwise", reparameterized=True)
+    want = (lp - lq).mean()
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
+    (g_got,) = torch.autograd.grad(got, mu, retain_graph=True)
+    (g_want,) = torch.autograd.grad(want, mu)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-12, atol=1e-14)

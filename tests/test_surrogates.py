@@ -191,3 +191,14 @@ def test_group_baseline_with_the_callers_mask_bits_is_the_same(align):
     got = group_baseline(targets, valid, "loo", keys, align=align, bits=bits)
     assert torch.equal(got, group_baseline(targets, valid, "loo", keys, align=align))
     assert bool(torch.isfinite(got).all())
+
+
+def test_ema_state_follows_its_inputs_to_another_device():
+    """After a CPU batch, a batch on another device moves the state there (the "meta" device
+    stands in for an accelerator: the same device logic, no data)."""
+    ema = BaselineEMA()
+    ema(torch.zeros(2, 3, dtype=torch.float64), torch.ones(2, 3, dtype=torch.bool))
+    t = torch.zeros(2, 4, dtype=torch.float64, device="meta")
+    out = ema(t, torch.ones(2, 4, dtype=torch.bool, device="meta"))
+    assert out.device.type == "meta"
+    assert all(b.device.type == "meta" and b.dtype == torch.float64 for b in ema.buffers())

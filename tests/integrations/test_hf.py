@@ -528,3 +528,14 @@ def test_absolute_position_embeddings_get_generate_positions():
         alone = model(ids[:1, 2:]).logits[0, :-1]  # the row without its padding
     want = torch.log_softmax(alone, -1).gather(-1, ids[0, 3:, None])[:, 0]
     assert_verbose_close(batch.log_probs[0], want, atol=1e-12)
+
+
+@pytest.mark.parametrize("kind", ["left", "right", "both"])
+def test_one_token_completions_match_the_per_row_loop(kind):
+    """Every completion one token long (T = 1), after prompts of 1-3 tokens: the columns are
+    each row's own, in every layout."""
+    prompts, completions = [[3, 4, 5], [6, 7], [8]], [[9], [10], [11]]
+    ids, mask, n, index = layout(prompts, completions, kind, extra=2)
+    logits = fake_logits(index, 7)
+    batch = completion_batch(logits, ids, attention_mask=mask, prompt_lengths=n)
+    assert_matches_reference(batch, reference_completions(logits, ids, mask, n), atol=1e-12)

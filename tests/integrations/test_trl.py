@@ -197,6 +197,14 @@ def test_grpo_trains_with_klests_kl_term_and_it_is_what_the_loss_adds(
     )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     _assert_grads_close(got_grads, expected_grads)
+    # beta = 1 is no special case: the term scales with beta (klest's, not TRL's, at any beta).
+    trainer.beta = 1.0
+    try:
+        got_1, got_grads_1 = _kl_added_to_the_loss(trainer, batch)
+    finally:
+        trainer.beta = BETA
+    torch.testing.assert_close(got_1, expected / BETA, rtol=1e-5, atol=1e-6)
+    _assert_grads_close(got_grads_1, [None if e is None else e / BETA for e in expected_grads])
 
     # ... and it is not TRL's own term (k3 differentiated as a per-token loss).
     model = trainer.model
@@ -437,3 +445,42 @@ def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
     for beta in (0.0, 0.5):
         with pytest.raises(ValueError, match="sequence_level"):
             _distillation_trainer(tiny_lm, tmp_path, beta=beta, sequence_level=True)
+
+
+def test_grpo_with_beta_zero_builds_without_a_reference_model(tiny_lm, tmp_path):
+    """beta = 0: TRL loads no reference model, and klest's KL term is off (nothing to refuse)."""
+    args = GRPOConfig(num_generations=2, **{**_common_args(tmp_path), "beta": 0.0})
+    trainer = GRPOTrainer(
+        model=tiny_lm,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=_prompts(),
+        processing_class=tokenizer(),
+    )
+    assert trainer.ref_model is None and trainer.beta == 0.0
+
+
+def test_distillation_refuses_heads_whose_logits_are_scaled_or_soft_capped():
+    """The fused distillation loss reads the output layer's weight: a config that scales the
+    logits (any factor but 1, including 0) or soft-caps them is refused by name; factor 1 (or
+    none) returns the Linear head itself."""
+    from types import SimpleNamespace
+
+    from klest.integrations.trl import _plain_lm_head
+
+    head = torch.nn.Linear(4, 6)
+
+    def model(**config):
+        cfg = SimpleNamespace(**config)
+        return SimpleNamespace(
+            config=SimpleNamespace(get_text_config=lambda: cfg), get_output_embeddings=lambda: head
+        )
+
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling"):
+        for factor in (0.0, 0.5, 2.0):
+            with pytest.raises(NotImplementedError, match=f"scales its logits \\({name}\\)"):
+                _plain_lm_head(model(**{name: factor}), "teacher")
+        for factor in (None, 1, 1.0):
+            assert _plain_lm_head(model(**{name: factor}), "student") is head
+    with pytest.raises(NotImplementedError, match="soft-caps"):
+        _plain_lm_head(model(final_logit_softcapping=30.0), "teacher")

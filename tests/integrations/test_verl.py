@@ -560,3 +560,19 @@ def test_install_into_the_real_verl():
     with verl.install():
         assert losses.kl_penalty is not original
     assert losses.kl_penalty is original
+
+
+def test_full_with_ignored_labels_and_no_mask_drops_those_positions():
+    """Labels of -100 (kl_from_logits' ignore_index) with no mask: those positions are left out
+    of ``"full"`` + ``grad="rb"`` exactly as a mask would leave them out (value 0 there, the
+    exact per-position KL elsewhere; the gradient the Rao-Blackwellized surrogate's)."""
+    z, y, labels, mask = _logits_batch(21)
+    ignored = torch.where(mask, labels, -100)
+    zz = z.clone().requires_grad_(True)
+    out = verl.kl_penalty(zz, y, "full", grad="rb", labels=ignored)
+    want = torch.where(mask, logits_reference(z, y)["kl_pi_ref"], 0.0)
+    assert_verbose_close(out, want, atol=1e-300, rtol=1e-12)
+    out.sum().backward()
+    z64 = z.clone().requires_grad_(True)
+    rb_surrogate_reference(z64, y, labels, mask).sum().backward()
+    assert_verbose_close(zz.grad, z64.grad, atol=1e-14, rtol=1e-10)

@@ -215,3 +215,23 @@ def test_logits_ref_with_half_of_the_hidden_form_is_refused(half):
         klest.kl_from_hidden(
             torch.zeros(5, 4), torch.zeros(11, 4), **ref, logits_ref=torch.zeros(5, 11)
         )
+
+
+@pytest.mark.parametrize("trainable", ["h_ref", "w_ref"])
+def test_gradient_reaches_whichever_half_of_the_ref_head_is_trainable(trainable):
+    """Only one of ref's hidden states and head weight requires grad (a frozen encoder under a
+    trained head, or the reverse): that one's gradient is autograd's of the KL written out from
+    the plain logits (float64), and the other gets none."""
+    h, w = _t((4, 6), 31).requires_grad_(), _t((17, 6), 32)
+    h_ref, w_ref = _t((4, 5), 33), _t((17, 5), 34)
+    leaf = {"h_ref": h_ref, "w_ref": w_ref}[trainable].requires_grad_()
+    fused = klest.kl_from_hidden(h, w, h_ref, w_ref, reduction="none", chunk_size=3)
+    lq, lp = (h @ w.T).log_softmax(-1), (h_ref @ w_ref.T).log_softmax(-1)
+    plain = (lq.exp() * (lq - lp)).sum(-1)  # KL(pi||ref) per row, float64
+    weights = _t((4,), 35)
+    got = torch.autograd.grad((fused * weights).sum(), [h, leaf])
+    want = torch.autograd.grad((plain * weights).sum(), [h, leaf])
+    for a, c in zip(got, want, strict=True):
+        torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
+    other = w_ref if trainable == "h_ref" else h_ref
+    assert other.grad is None and not other.requires_grad

@@ -397,7 +397,13 @@ def test_errors_name_the_argument():
     kw = {"labels": y, "logp_ref_label": lr}
     out_of_range = idx.clone()
     out_of_range[0, 0, 0] = 24
+    top_zero, lr_zero = top.clone(), lr.clone()
+    top_zero[0, 1, -1] = -math.inf  # the teacher gives a top-k token probability 0
+    lr_zero[1, 0] = -math.inf  # ... or the sampled token (KL(pi||ref) infinite)
     cases = [
+        ({"topk_logp": top_zero}, r"topk_logp is -inf .*index \(0, 1, 4\)"),
+        ({"logp_ref_label": lr_zero}, r"logp_ref_label is -inf .*index \(1, 0\)"),
+        ({"logp_ref_label": lr[:, :2]}, "logp_ref_label has shape"),
         ({"topk_indices": out_of_range}, "outside"),
         ({"topk_indices": torch.cat([idx[..., :1], idx[..., :-1]], -1)}, "distinct"),
         ({"topk_logp": top + 1.0}, "above 0"),
