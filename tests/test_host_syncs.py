@@ -8,6 +8,7 @@ at each one, so they are counted here by wrapping those methods.
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 
 import pytest
@@ -110,9 +111,17 @@ HAS_TRITON = triton_available()
 @pytest.mark.skipif(not HAS_TRITON, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked lanes
 @pytest.mark.parametrize("masked", [False, True])
-def test_exact_kl_from_logits_on_the_kernels_reads_once_and_none_without_validation(
-    masked, monkeypatch
-):
+@pytest.mark.parametrize(
+    "fn",
+    [
+        klest.kl_from_logits,
+        functools.partial(klest.jsd_from_logits, beta=0.3),
+        functools.partial(klest.skew_kl_from_logits, alpha=0.2),
+        klest.tv_from_logits,
+    ],
+    ids=["kl", "jsd", "skew", "tv"],
+)
+def test_from_logits_on_the_kernels_reads_once_and_none_without_validation(fn, masked, monkeypatch):
     """The Triton path (the one CUDA runs; here through the interpreter). A mask or ignored
     labels reach the kernels as one flag per row, so the rows to skip need no host read. (The
     chunked PyTorch engine, the CPU's path, reads per chunk whether a row needs its slow path.)"""
@@ -126,7 +135,5 @@ def test_exact_kl_from_logits_on_the_kernels_reads_once_and_none_without_validat
         labels[0, :2] = -100
     for validate, allowed in ((True, 1), (False, 0)):
         with counted_host_reads(monkeypatch) as calls:
-            klest.kl_from_logits(
-                z, y, mask=mask, labels=labels, validate=validate, backend="triton"
-            ).backward()
+            fn(z, y, mask=mask, labels=labels, validate=validate, backend="triton").backward()
         assert len(calls) <= allowed, calls

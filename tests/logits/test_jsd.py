@@ -25,7 +25,8 @@ from klest.logits import (
     skew_kl_from_logits,
     tv_from_logits,
 )
-from klest.logits.kernels import triton_available
+from klest.logits._stats import Divergence
+from klest.logits.kernels import divergence_backward, divergence_forward, triton_available
 from tests._reference import assert_verbose_close, reduce_reference
 
 INF = math.inf
@@ -385,3 +386,27 @@ def test_triton_matches_reference(name, dtype):
         assert bool(torch.isfinite(got_g).all())
         atol = 1e-5 * ref.abs().max() + rounding * ref.abs()
         assert_verbose_close(got_g.double(), ref, atol=atol, what=f"{name} {dtype}")
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked lanes
+@pytest.mark.parametrize("div", [Divergence("mixture", w=0.3, c_q=0.3, c_p=0.7), Divergence("tv")])
+def test_kernel_rows_not_kept_are_not_read_and_get_zeros(div):
+    """``keep``: rows flagged False may hold anything; they get zeros, the kept rows exactly what
+    they get without the flags."""
+    g = torch.Generator().manual_seed(5)
+    z, y = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g)
+    keep = torch.tensor([True, False, True, False, True])
+    bad_z, bad_y = z.clone(), y.clone()
+    bad_z[1], bad_y[3] = torch.nan, torch.inf
+    lse = z.logsumexp(-1), y.logsumexp(-1)
+    full = divergence_forward(z, y, *lse, div)
+    kept_lse = (torch.where(keep, t, 0.0) for t in lse)  # what kl_logits_forward gives them
+    part = divergence_forward(bad_z, bad_y, *kept_lse, div, keep=keep)
+    assert torch.equal(part, torch.where(keep, full, 0.0))
+    grad = torch.linspace(0.5, 1.5, 5)
+    dz, dy = divergence_backward(z, y, *lse, full[1], full[2], grad, div, need_grad_y=True)
+    dz2, dy2 = divergence_backward(
+        bad_z, bad_y, *lse, part[1], part[2], grad, div, need_grad_y=True, keep=keep
+    )
+    assert torch.equal(dz2, dz * keep[:, None]) and torch.equal(dy2, dy * keep[:, None])

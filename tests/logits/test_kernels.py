@@ -639,6 +639,7 @@ _COMPILE_FOR_SM90 = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from klest.logits.kernels import _divergence_triton as dkern
 from klest.logits.kernels import _kl_logits_triton as kern
 
 ints = dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "N", "V"), "i32")
@@ -669,6 +670,21 @@ jobs = [(kern.kl_logits_fwd_kernel, fwd, {"HAS_LABELS": h, "RECORD_PATH": h, "HA
                                            "WANT_ENT": h, "BLOCK_V": 1024}) for h in (True, False)]
 for c in (every, pi_only, ref_only):
     jobs.append((kern.kl_logits_bwd_kernel, bwd, {**c, "BLOCK_V": 1024}))
+dfwd = {"z_ptr": "*bf16", "y_ptr": "*fp32", "lse_a_ptr": "*fp32", "lse_b_ptr": "*fp32",
+        "out_ptr": "*fp32", "stride_z": "i32", "stride_y": "i32", "N": "i32", "V": "i32",
+        "inv_tau": "fp32", "w": "fp32", "c_q": "fp32", "c_p": "fp32", "keep_ptr": "*u8",
+        "KIND": "constexpr", "HAS_KEEP": "constexpr", "BLOCK_V": "constexpr"}
+dbwd = {"z_ptr": "*bf16", "y_ptr": "*fp32",
+        **dict.fromkeys(("lse_a_ptr", "lse_b_ptr", "s_q_ptr", "s_p_ptr", "g_ptr"), "*fp32"),
+        "dz_ptr": "*bf16", "dy_ptr": "*fp32",
+        **dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "V"), "i32"),
+        "inv_tau": "fp32", "w": "fp32", "c_q": "fp32", "c_p": "fp32", "keep_ptr": "*u8",
+        **dict.fromkeys(("KIND", "NEED_DZ", "NEED_DY", "HAS_KEEP", "BLOCK_V"), "constexpr")}
+for kind, keep in ((0, True), (1, False)):
+    jobs.append((dkern.divergence_fwd_kernel, dfwd,
+                 {"KIND": kind, "HAS_KEEP": keep, "BLOCK_V": 1024}))
+    jobs.append((dkern.divergence_bwd_kernel, dbwd, {"KIND": kind, "NEED_DZ": True,
+                 "NEED_DY": keep, "HAS_KEEP": keep, "BLOCK_V": 1024}))
 for fn, sig, const in jobs:
     const = {(fn.arg_names.index(k),): v for k, v in const.items()}  # the older key form
     src = ASTSource(fn=fn, signature=sig, constexprs=const)
@@ -687,8 +703,8 @@ def _triton_version() -> tuple[int, ...]:
 @needs_triton
 def test_kernels_compile_for_sm90():
     """The interpreter runs code that the GPU compiler rejects (e.g. a global that is not a
-    constexpr): compile both kernels for an H100 (sm_90), which needs no GPU. In a subprocess,
-    because triton's interpreter (TRITON_INTERPRET=1) cannot compile."""
+    constexpr): compile the KL and divergence kernels for an H100 (sm_90), which needs no GPU.
+    In a subprocess, because triton's interpreter (TRITON_INTERPRET=1) cannot compile."""
     if _triton_version() < (3, 3):
         pytest.skip("the compile call below uses the signature format of triton >= 3.3")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -43,7 +43,7 @@ from klest.logits._rows import (
     _scaled,
     _take,
     _work_dtype,
-    zero_rows_except,
+    kept_mask,
     zeroed_rows_buffer,
 )
 from klest.logits._stats import Divergence
@@ -119,8 +119,10 @@ def divergence_rows(
     want_entropy: bool,
     chunk: int,
     backend: str = "torch",
+    keep: Tensor | None = None,
 ) -> Tensor:
-    """``[8, N]`` per-row outputs (``ROW_OUTPUTS``) of the selected rows (others 0).
+    """``[8, N]`` per-row outputs (``ROW_OUTPUTS``) of the selected rows (others 0): by ``rows``
+    (int indices, or None for all) or, on the Triton backend, ``keep`` (a bool flag per row).
 
     Rows whose logits have NaN, ``+inf`` or nothing but ``-inf`` get a non-finite ``lse``
     (the caller rejects them).
@@ -128,6 +130,7 @@ def divergence_rows(
     n = z.shape[0]
     if backend == "triton":
         tau = 1.0 / inv_tau
+        keep = keep if rows is None else kept_mask(rows, n)
         stats = kl_logits_forward(
             z,
             y,
@@ -136,16 +139,14 @@ def divergence_rows(
             want_kl_pi_ref=False,
             want_kl_ref_pi=False,
             want_entropy=want_entropy,
+            keep=keep,
         )
-        mix = divergence_forward(z, y, stats.lse_z, stats.lse_y, div, temperature=tau)
+        mix = divergence_forward(z, y, stats.lse_z, stats.lse_y, div, temperature=tau, keep=keep)
         out = torch.stack(
             (mix[0], stats.entropy, stats.logp_label, stats.logp_ref_label,
              stats.lse_z, stats.lse_y, mix[1], mix[2])
         )  # fmt: skip
-        if rows is None:
-            return out
-        keep = torch.zeros(n, dtype=torch.bool, device=z.device).index_fill_(0, rows, True)
-        return torch.where(keep, out, 0.0)
+        return out
     out = torch.zeros(len(ROW_OUTPUTS), n, dtype=_work_dtype(z), device=z.device)
     for sel in _chunks(n, rows, chunk):
         a, b, la, lb = _log_probs(z, y, sel, inv_tau, out.dtype)
@@ -172,8 +173,10 @@ def divergence_grads(
     chunk: int,
     backend: str = "torch",
     saved: Tensor | None = None,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
-    """``grad[n] * dD_n/dz`` and ``... /dy`` (in the inputs' dtypes; 0 on rows not selected).
+    """``grad[n] * dD_n/dz`` and ``... /dy`` (in the inputs' dtypes; 0 on rows not selected,
+    by ``rows`` or ``keep`` as in :func:`divergence_rows`).
 
     The Triton backend reads ``lse_z``, ``lse_y``, ``s_q`` and ``s_p`` from ``saved`` (what
     :func:`divergence_rows` returned); the PyTorch one recomputes everything."""
@@ -183,8 +186,9 @@ def divergence_grads(
         dz, dy = divergence_backward(
             z, y, lse_z, lse_y, s_q, s_p, grad.float(), div, temperature=1.0 / inv_tau,
             need_grad_z=need_z, need_grad_y=need_y,
+            keep=keep if rows is None else kept_mask(rows, z.shape[0]),
         )  # fmt: skip
-        return zero_rows_except(dz, rows), zero_rows_except(dy, rows)
+        return dz, dy
     dz = zeroed_rows_buffer(z, rows) if need_z else None
     dy = zeroed_rows_buffer(y, rows) if need_y else None
     if not (need_z or need_y):

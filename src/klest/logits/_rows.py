@@ -473,14 +473,3 @@ def zeroed_rows_buffer(x: Tensor, rows: Tensor | None) -> Tensor:
     if rows is None:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
     return torch.zeros_like(x, memory_format=torch.contiguous_format)
-
-
-def zero_rows_except(x: Tensor | None, rows: Tensor | None) -> Tensor | None:
-    """Zero, in place, the rows of ``x`` ``[N, V]`` that are not in ``rows`` (None: keep all).
-
-    One host read (which rows to fill) instead of a pass over every entry."""
-    if x is None or rows is None:
-        return x
-    drop = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
-    drop[rows] = False
-    return x.index_fill_(0, drop.nonzero().view(-1), 0.0)

@@ -119,7 +119,12 @@ class DivergencePlan:
     constant: tuple[int, ...] = (1, 2, 3, 4)
 
     def stats(
-        self, z_c: Tensor, y_c: Tensor, labels: Tensor | None, rows: Tensor | None = None
+        self,
+        z_c: Tensor,
+        y_c: Tensor,
+        labels: Tensor | None,
+        rows: Tensor | None = None,
+        keep: Tensor | None = None,
     ) -> Tensor:
         return divergence_rows(
             z_c,
@@ -131,6 +136,7 @@ class DivergencePlan:
             want_entropy=self.want_entropy,
             chunk=self.chunk,
             backend=self.backend,
+            keep=keep,
         )
 
     def outputs(self, out: Tensor) -> tuple[Tensor, ...]:
@@ -152,6 +158,7 @@ class DivergencePlan:
         need_z: bool,
         need_y: bool,
         rows: Tensor | None = None,
+        keep: Tensor | None = None,
     ) -> tuple[Tensor | None, Tensor | None]:
         if grads[0] is None:
             return None, None
@@ -167,6 +174,7 @@ class DivergencePlan:
             chunk=self.chunk,
             backend=self.backend,
             saved=saved,
+            keep=keep,
         )
 
 
@@ -180,13 +188,13 @@ class _RowsDivergence(torch.autograd.Function):
     ``D`` is differentiable."""
 
     @staticmethod
-    def forward(ctx, z, y, labels, rows, plan: DivergencePlan, checks: ValueChecks):
+    def forward(ctx, z, y, labels, rows, keep, plan: DivergencePlan, checks: ValueChecks):
         ctx.set_materialize_grads(False)
-        out = plan.stats(z, y, labels, rows)
+        out = plan.stats(z, y, labels, rows, keep)
         check_rows_have_distributions(*plan.lse(out), None, checks)
         ctx.plan = plan
         # the row statistics are saved for the Triton backward (the PyTorch one recomputes)
-        ctx.save_for_backward(z, y, rows, out if plan.backend == "triton" else None)
+        ctx.save_for_backward(z, y, rows, keep, out if plan.backend == "triton" else None)
         outputs = plan.outputs(out)
         ctx.mark_non_differentiable(*(outputs[i] for i in plan.constant))
         return outputs
@@ -194,10 +202,10 @@ class _RowsDivergence(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
-        z, y, rows, out = ctx.saved_tensors
+        z, y, rows, keep, out = ctx.saved_tensors
         need_z, need_y = ctx.needs_input_grad[:2]
-        dz, dy = ctx.plan.grads(z, y, out, grads, None, need_z, need_y, rows)
-        return dz, dy, None, None, None, None
+        dz, dy = ctx.plan.grads(z, y, out, grads, None, need_z, need_y, rows, keep)
+        return dz, dy, None, None, None, None, None
 
 
 def _from_logits(
@@ -237,7 +245,11 @@ def _from_logits(
         chunk=chunk_rows(bytes_per_row(z.shape[1]), z.device, memory_budget, chunk_size),
         backend=resolve_backend(backend, z),
     )
-    outputs = _RowsDivergence.apply(z, y, pos.labels, pos.rows, plan, checks)
+    # The Triton kernels skip unkept rows by their flags (no host read); PyTorch gathers by index.
+    if plan.backend == "triton":
+        outputs = _RowsDivergence.apply(z, y, pos.labels, None, pos.keep_rows, plan, checks)
+    else:
+        outputs = _RowsDivergence.apply(z, y, pos.labels, pos.rows, None, plan, checks)
     checks.run()
     return finish(outputs, pos)
 

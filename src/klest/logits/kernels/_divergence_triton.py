@@ -24,6 +24,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from klest.logits.kernels._kl_logits_triton import store_zero_grads
+
 
 @triton.jit
 def _elements(zf, yf, lse_a, lse_b, inv_tau, w, c_q, c_p, KIND: tl.constexpr):
@@ -71,11 +73,33 @@ def divergence_fwd_kernel(
     w,
     c_q,
     c_p,
+    keep_ptr,
     KIND: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """One row per program; ``out`` is a contiguous float32 ``[3, N]``: value, S_q, S_p."""
+    """One row per program; ``out`` is a contiguous float32 ``[3, N]``: value, S_q, S_p. With
+    ``HAS_KEEP``, a row whose ``keep`` byte is 0 is not read and gets three zeros."""
     row = tl.program_id(0).to(tl.int64)
+    kept = True
+    if HAS_KEEP:
+        kept = tl.load(keep_ptr + row) != 0
+    if kept:
+        _fwd_row(
+            z_ptr, y_ptr, lse_a_ptr, lse_b_ptr, out_ptr, row, stride_z, stride_y, N, V, inv_tau,
+            w, c_q, c_p, KIND, BLOCK_V,
+        )  # fmt: skip
+    else:
+        for k in tl.static_range(3):
+            tl.store(out_ptr + k * N + row, 0.0)
+
+
+@triton.jit
+def _fwd_row(
+    z_ptr, y_ptr, lse_a_ptr, lse_b_ptr, out_ptr, row, stride_z, stride_y, N, V, inv_tau,
+    w, c_q, c_p, KIND: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """The forward kernel's work for one row."""
     cols = tl.arange(0, BLOCK_V)
     lse_a = tl.load(lse_a_ptr + row)
     lse_b = tl.load(lse_b_ptr + row)
@@ -119,15 +143,40 @@ def divergence_bwd_kernel(
     w,
     c_q,
     c_p,
+    keep_ptr,
     KIND: tl.constexpr,
     NEED_DZ: tl.constexpr,
     NEED_DY: tl.constexpr,
+    HAS_KEEP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """Program ``(row, block)``: ``dz``, ``dy`` of ``g[row]`` times the row's divergence."""
+    """Program ``(row, block)``: ``dz``, ``dy`` of ``g[row]`` times the row's divergence. With
+    ``HAS_KEEP``, a row whose ``keep`` byte is 0 is not read and gets zero gradients."""
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
     inside = offs < V
+    kept = True
+    if HAS_KEEP:
+        kept = tl.load(keep_ptr + row) != 0
+    if kept:
+        _bwd_block(
+            z_ptr, y_ptr, lse_a_ptr, lse_b_ptr, s_q_ptr, s_p_ptr, g_ptr, dz_ptr, dy_ptr, row,
+            offs, inside, stride_z, stride_y, stride_dz, stride_dy, inv_tau, w, c_q, c_p,
+            KIND, NEED_DZ, NEED_DY,
+        )  # fmt: skip
+    else:
+        store_zero_grads(
+            dz_ptr, dy_ptr, row, offs, inside, stride_dz, stride_dy, NEED_DZ, NEED_DY, BLOCK_V
+        )
+
+
+@triton.jit
+def _bwd_block(
+    z_ptr, y_ptr, lse_a_ptr, lse_b_ptr, s_q_ptr, s_p_ptr, g_ptr, dz_ptr, dy_ptr, row,
+    offs, inside, stride_z, stride_y, stride_dz, stride_dy, inv_tau, w, c_q, c_p,
+    KIND: tl.constexpr, NEED_DZ: tl.constexpr, NEED_DY: tl.constexpr,
+):  # fmt: skip
+    """The backward kernel's work for one block of one row."""
     zf = tl.load(z_ptr + row * stride_z + offs, mask=inside, other=float("-inf"))
     yf = tl.load(y_ptr + row * stride_y + offs, mask=inside, other=float("-inf"))
     q, p, _, g_q, g_p = _elements(

@@ -79,6 +79,19 @@ def _finite(x):
     return x * 0.0 == 0.0
 
 
+@triton.jit
+def store_zero_grads(
+    dz_ptr, dy_ptr, row, offs, inside, stride_dz, stride_dy,
+    NEED_DZ: tl.constexpr, NEED_DY: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """Zero gradients for one block of a row that is not kept (both backward kernels)."""
+    zero = tl.zeros([BLOCK_V], dtype=tl.float32)
+    if NEED_DZ:
+        tl.store(dz_ptr + row * stride_dz + offs, zero.to(dz_ptr.dtype.element_ty), mask=inside)
+    if NEED_DY:
+        tl.store(dy_ptr + row * stride_dy + offs, zero.to(dy_ptr.dtype.element_ty), mask=inside)
+
+
 # -inf stands in the fast loop for this (finite) value: its exp2 is 0, and 0 times it is 0.
 MASKED_LOGIT = tl.constexpr(-(2.0**100))
 
@@ -391,11 +404,9 @@ def kl_logits_bwd_kernel(
             HAS_G1, HAS_G2, HAS_G3, HAS_G4, HAS_G5, NEED_DZ, NEED_DY, USE_Z, USE_Y, BLOCK_V,
         )  # fmt: skip
     else:
-        zero = tl.zeros([BLOCK_V], dtype=tl.float32)
-        if NEED_DZ:
-            tl.store(dz_ptr + row * stride_dz + offs, zero.to(dz_ptr.dtype.element_ty), mask=inside)
-        if NEED_DY:
-            tl.store(dy_ptr + row * stride_dy + offs, zero.to(dy_ptr.dtype.element_ty), mask=inside)
+        store_zero_grads(
+            dz_ptr, dy_ptr, row, offs, inside, stride_dz, stride_dy, NEED_DZ, NEED_DY, BLOCK_V
+        )
 
 
 @triton.jit

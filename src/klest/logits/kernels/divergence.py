@@ -30,6 +30,7 @@ from klest.logits.kernels.kl_logits import (
     _block_v,
     _cdiv,
     _check_device,
+    _check_keep,
     _check_logits,
     _num_warps,
     _triton_importable,
@@ -64,6 +65,7 @@ def divergence_forward(
     temperature: float = 1.0,
     block_v: int | None = None,
     num_warps: int | None = None,
+    keep: Tensor | None = None,
 ) -> Tensor:
     r"""Per row: the divergence, :math:`S_q` and :math:`S_p` (module docstring), float32
     ``[3, N]``.
@@ -78,6 +80,8 @@ def divergence_forward(
       temperature: :math:`\tau > 0`, dividing both logits.
       block_v: vocabulary block (power of two, >= 16); default ``min(1024, next_pow2(V))``.
       num_warps: warps per program (power of two, 1 to 32).
+      keep: optional bool ``[N]`` on ``z``'s device: rows where it is False are not read and get
+        zeros (as in ``kl_logits_forward``).
 
     Returns:
       ``[3, N]`` float32: value (clamped at 0), :math:`S_q`, :math:`S_p`.
@@ -93,6 +97,7 @@ def divergence_forward(
     n, v = z.shape
     lse_z = check_row_vector("lse_z", lse_z, n, z.device)
     lse_y = check_row_vector("lse_y", lse_y, n, z.device)
+    keep = _check_keep(keep, n, z.device)
     consts = _constants(div)
     bv = _block_v(block_v, v)
     out = torch.zeros(3, n, dtype=torch.float32, device=z.device)
@@ -100,7 +105,8 @@ def divergence_forward(
         _check_device(z)
         _divergence_kernels().divergence_fwd_kernel[(n,)](
             z, y, lse_z, lse_y, out, z.stride(0), y.stride(0), n, v, 1.0 / tau,
-            **consts, BLOCK_V=bv, num_warps=_num_warps(num_warps, bv),
+            **consts, keep_ptr=out if keep is None else keep, HAS_KEEP=keep is not None,
+            BLOCK_V=bv, num_warps=_num_warps(num_warps, bv),
         )  # fmt: skip
     return out
 
@@ -120,6 +126,7 @@ def divergence_backward(
     need_grad_y: bool = False,
     block_v: int | None = None,
     num_warps: int | None = None,
+    keep: Tensor | None = None,
 ) -> tuple[Tensor | None, Tensor | None]:
     r"""Gradients of :math:`\sum_n g_n D_n` w.r.t. ``z`` and ``y`` (module docstring).
 
@@ -137,6 +144,7 @@ def divergence_backward(
       need_grad_y: compute the gradient w.r.t. ``y``.
       block_v: vocabulary block of the grid (power of two, >= 16).
       num_warps: warps per program.
+      keep: as in :func:`divergence_forward`: rows where it is False get zero gradients.
 
     Returns:
       ``(dz, dy)``: contiguous ``[N, V]`` tensors in ``z``'s and ``y``'s dtypes, or None where
@@ -160,6 +168,7 @@ def divergence_backward(
         for name, t in (("lse_z", lse_z), ("lse_y", lse_y), ("s_q", s_q), ("s_p", s_p))
     ]
     grad = check_row_vector("grad", grad, n, dev)
+    keep = _check_keep(keep, n, dev)
     consts = _constants(div)
     bv = _block_v(block_v, v)
     if _cdiv(v, bv) > _MAX_GRID_Y:
@@ -176,8 +185,8 @@ def divergence_backward(
             z.stride(0), y.stride(0),
             v if dz is None else dz.stride(0),
             v if dy is None else dy.stride(0),
-            v, 1.0 / tau, **consts,
-            NEED_DZ=bool(need_grad_z), NEED_DY=bool(need_grad_y),
+            v, 1.0 / tau, **consts, keep_ptr=dummy if keep is None else keep,
+            NEED_DZ=bool(need_grad_z), NEED_DY=bool(need_grad_y), HAS_KEEP=keep is not None,
             BLOCK_V=bv, num_warps=_num_warps(num_warps, bv),
         )  # fmt: skip
     return dz, dy
