@@ -336,7 +336,8 @@ def kl_from_hidden(
       bias: pi's LM-head bias ``[V]``, if any.
       bias_ref: ref's LM-head bias ``[V]``, if any.
       direction: ``"pi||ref"`` or ``"ref||pi"``.
-      mask: bool ``[...]``, True at positions that count.
+      mask: bool ``[...]``, True at positions that count (found with one host read, so that the
+        others cost no matrix product).
       reduction: as in :func:`klest.kl_from_logits` (default ``"seq-mean-token-sum"``).
       temperature: :math:`T > 0`, dividing both models' logits.
       labels: int ``[...]`` sampled token ids; ``ignore_index`` positions are masked.
