@@ -78,6 +78,18 @@ def _common_args(tmp_path) -> dict:
     )
 
 
+def _grpo(tiny_lm, args, **kwargs):
+    """klest's GRPOTrainer on the tiny model, the prompts and the reward of these tests."""
+    return GRPOTrainer(
+        model=tiny_lm,
+        reward_funcs=_reward,
+        args=args,
+        train_dataset=_prompts(),
+        processing_class=tokenizer(),
+        **kwargs,
+    )
+
+
 def _record_batches(trainer) -> list[dict]:
     """Wrap the trainer's loss so the micro-batches it trains on are kept."""
     seen: list[dict] = []
@@ -173,14 +185,7 @@ def test_grpo_trains_with_klests_kl_term_and_it_is_what_the_loss_adds(
         mask_truncated_completions=True,
         **_common_args(tmp_path),
     )
-    trainer = GRPOTrainer(
-        model=tiny_lm,
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=_prompts(),
-        processing_class=tokenizer(),
-        kl=kl,
-    )
+    trainer = _grpo(tiny_lm, args, kl=kl)
     _perturbed(trainer)
     seen = _record_batches(trainer)
     trainer.train()
@@ -243,16 +248,7 @@ def test_kl_term_can_reproduce_trls_own_loss_value_and_gradient(
         use_bias_correction_kl=bias_correction,
         **_common_args(tmp_path),
     )
-    ours = _perturbed(
-        GRPOTrainer(
-            model=tiny_lm,
-            reward_funcs=_reward,
-            args=args,
-            train_dataset=_prompts(),
-            processing_class=tokenizer(),
-            kl=kl,
-        )
-    )
+    ours = _perturbed(_grpo(tiny_lm, args, kl=kl))
     seen = _record_batches(ours)
     with pytest.warns(klest.KLGradientWarning):
         ours.train()
@@ -434,13 +430,8 @@ def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
         with pytest.raises(ValueError, match="conditional expectation of vOPD"):
             _distillation_trainer(tiny_lm, tmp_path, beta=1.0, sequence_level=True, baseline=exact)
     with pytest.raises(TypeError, match="KLTerm"):
-        GRPOTrainer(
-            model=tiny_lm,
-            reward_funcs=_reward,
-            args=GRPOConfig(num_generations=2, **_common_args(tmp_path)),
-            train_dataset=_prompts(),
-            processing_class=tokenizer(),
-            kl={"estimator": "k3"},
+        _grpo(
+            tiny_lm, GRPOConfig(num_generations=2, **_common_args(tmp_path)), kl={"estimator": "k3"}
         )
     for beta in (0.0, 0.5):
         with pytest.raises(ValueError, match="sequence_level"):
@@ -450,13 +441,7 @@ def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
 def test_grpo_with_beta_zero_builds_without_a_reference_model(tiny_lm, tmp_path):
     """beta = 0: TRL loads no reference model, and klest's KL term is off (nothing to refuse)."""
     args = GRPOConfig(num_generations=2, **{**_common_args(tmp_path), "beta": 0.0})
-    trainer = GRPOTrainer(
-        model=tiny_lm,
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=_prompts(),
-        processing_class=tokenizer(),
-    )
+    trainer = _grpo(tiny_lm, args)
     assert trainer.ref_model is None and trainer.beta == 0.0
 
 
