@@ -22,9 +22,11 @@ test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q
 	$(MAKE) docs
 
-# On a CUDA machine: the kernel, logits and fused-linear tests with the real Triton kernels.
+# On a CUDA machine: the kernel, logits and fused-linear tests with the real Triton kernels, and
+# the host-synchronisation checks. (benchmarks/run_on_gpu.sh runs these and the GPU benchmarks
+# with the machine's own python3, for a GPU machine without a package registry.)
 test-gpu: $(STAMP)
-	$(PY) -m pytest -q tests/logits
+	$(PY) -m pytest -q tests/logits tests/test_host_syncs.py
 
 # The documentation site, warnings as errors; docs/_build/html/index.html. Runs no experiment.
 docs: $(STAMP)

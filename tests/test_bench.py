@@ -103,3 +103,21 @@ def test_plain_penalty_is_the_same_math_as_kl_penalty(monkeypatch):
     (g_plain,) = torch.autograd.grad(plain, [logp])
     (g_ours,) = torch.autograd.grad(ours, [logp])
     torch.testing.assert_close(g_ours, g_plain)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_the_gpu_session_script_refuses_to_run_without_a_gpu(tmp_path):
+    """``benchmarks/run_on_gpu.sh`` parses, and on a machine without CUDA stops at once, saying
+    why, before running anything."""
+    script = BENCHMARKS / "run_on_gpu.sh"
+    assert subprocess.run(["bash", "-n", str(script)], check=False).returncode == 0
+    done = subprocess.run(
+        ["bash", str(script), str(tmp_path / "out")],
+        env={"PATH": "/usr/bin:/bin", "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode != 0 and "needs a CUDA GPU" in done.stderr, done.stderr
+    assert not list((tmp_path / "out").iterdir())

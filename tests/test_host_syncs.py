@@ -137,3 +137,36 @@ def test_from_logits_on_the_kernels_reads_once_and_none_without_validation(fn, m
         with counted_host_reads(monkeypatch) as calls:
             fn(z, y, mask=mask, labels=labels, validate=validate, backend="triton").backward()
         assert len(calls) <= allowed, calls
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", [*CALLS, "kl_from_logits masked", "jsd_from_logits masked"])
+def test_no_synchronisation_on_cuda_without_validation(name):
+    """On a GPU, ``torch.cuda.set_sync_debug_mode("error")`` raises at any operation that waits
+    for the device (``item``, ``nonzero``, a device-to-host copy): with ``validate=False`` a call
+    and its backward must make none. Each call runs once first (caches of constants and the
+    kernels' compilation)."""
+    logp, logp_ref, mask = (t.cuda() for t in _inputs())
+    logp = logp.detach().requires_grad_()
+    g = make_generator(1)
+    z = torch.randn(4, 6, 33, generator=g).cuda().requires_grad_()
+    y = torch.randn(4, 6, 33, generator=g).cuda()
+    row_mask = (torch.rand(4, 6, generator=g) > 0.3).cuda()
+    calls = {
+        **CALLS,
+        "kl_from_logits masked": lambda *_: klest.kl_from_logits(
+            z, y, mask=row_mask, validate=False
+        ),
+        "jsd_from_logits masked": lambda *_: klest.jsd_from_logits(
+            z, y, beta=0.3, mask=row_mask, validate=False
+        ),
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        calls[name](logp, logp_ref, mask, False).sum().backward()
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            calls[name](logp, logp_ref, mask, False).sum().backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
