@@ -55,7 +55,7 @@ CALLS = {
     "cv 0.5": lambda lp, lr, m, v: klest.cv(lp, lr, alpha=0.5, mask=m, validate=v),
     "cv loo": lambda lp, lr, m, v: klest.cv(lp, lr, alpha="loo", mask=m, validate=v),
     "kl_penalty cumulative+loo": lambda lp, lr, m, v: klest.kl_penalty(
-        lp, lr, mask=m, baseline="loo", group=torch.arange(8) // 4, validate=v
+        lp, lr, mask=m, baseline="loo", group=torch.arange(8, device=lp.device) // 4, validate=v
     ),
     "kl_penalty score+ema": lambda lp, lr, m, v: klest.kl_penalty(
         lp, lr, mask=m, grad="score", baseline=klest.BaselineEMA(), validate=v
