@@ -302,7 +302,10 @@ def per_token_values(
         raise ValueError(f"per_token_values computes k1, k2, k3, abs and cv, not {estimator!r}")
     if not isinstance(alpha, int | float | Tensor):
         raise ValueError(f"per_token_values needs a fixed alpha for 'cv', got {alpha!r}")
-    coef = torch.as_tensor(alpha, dtype=delta.dtype, device=delta.device)
+    if isinstance(alpha, Tensor):
+        coef = alpha.to(dtype=delta.dtype, device=delta.device)
+    else:  # a fill, not a copy from the host (which waits for the GPU)
+        coef = torch.full((), float(alpha), dtype=delta.dtype, device=delta.device)
     return _control_variate(delta, direction, coef)
 
 
@@ -358,7 +361,8 @@ def _resolve_alpha(
     if isinstance(alpha, int | float) and not isinstance(alpha, bool):
         if not math.isfinite(alpha):
             raise ValueError(f"alpha must be finite, got {alpha}")
-        return torch.tensor(float(alpha), dtype=dtype, device=device)
+        # A fill, not a copy from the host (which waits for the GPU).
+        return torch.full((), float(alpha), dtype=dtype, device=device)
     raise TypeError(f"alpha must be a number, tensor, str or AlphaEMA, got {type(alpha).__name__}")
 
 
