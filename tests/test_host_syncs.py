@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import klest
 from klest.integrations import openrlhf, verl
@@ -84,6 +85,34 @@ def test_at_most_one_host_read_with_validation_and_none_without(name, validate, 
             out = CALLS[name](logp, logp_ref, mask, validate)
             out.sum().backward()
     assert len(calls) <= (1 if validate else 0), calls
+
+
+class _TensorsFromHostData(TorchDispatchMode):
+    """Records each tensor made from Python data (``torch.tensor``, ``as_tensor`` of a number
+    or list: ``aten.lift_fresh``); on a GPU each is a copy from the host, which waits."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if "lift_fresh" in str(func):
+            self.made.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("name", list(CALLS))
+def test_no_tensor_from_host_data_without_validation(name):
+    """The CPU's stand-in for the CUDA check below: after a first call (which fills caches of
+    constants), a call with ``validate=False`` and its backward make no tensor from Python
+    numbers (a fill such as ``torch.full`` runs on the device instead)."""
+    logp, logp_ref, mask = _inputs()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        CALLS[name](logp, logp_ref, mask, False).sum().backward()
+        with _TensorsFromHostData() as mode:
+            CALLS[name](logp, logp_ref, mask, False).sum().backward()
+    assert not mode.made, mode.made
 
 
 @pytest.mark.parametrize("baseline", ["loo", "loo-fitted", "mean"])
