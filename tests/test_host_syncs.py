@@ -199,3 +199,22 @@ def test_no_synchronisation_on_cuda_without_validation(name):
             calls[name](logp, logp_ref, mask, False).sum().backward()
         finally:
             torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="needs triton (CUDA, or TRITON_INTERPRET=1)")
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked lanes
+@pytest.mark.parametrize(
+    "fn",
+    [klest.kl_from_logits, functools.partial(klest.jsd_from_logits, beta=0.3)],
+    ids=["kl", "jsd"],
+)
+def test_no_tensor_from_host_data_on_the_kernels_without_validation(fn):
+    """As above, for the masked exact-from-logits calls on the Triton kernels."""
+    g = make_generator(1)
+    z = torch.randn(4, 6, 33, generator=g, requires_grad=True)
+    y = torch.randn(4, 6, 33, generator=g)
+    mask = torch.rand(4, 6, generator=g) > 0.3
+    fn(z, y, mask=mask, validate=False, backend="triton").backward()
+    with _TensorsFromHostData() as mode:
+        fn(z, y, mask=mask, validate=False, backend="triton").backward()
+    assert not mode.made, mode.made
