@@ -57,7 +57,7 @@ class Positions:
 
     ``keep`` is the boolean ``[...]`` mask of the positions that count (None: all of them);
     :attr:`rows` are their flat indices, found on the host when a path first asks for them (the
-    Triton kernels take :attr:`keep_rows` instead and skip the others without a host read).
+    Triton kernels take flags instead and skip the others without a host read: :meth:`selection`).
     """
 
     lead: torch.Size
@@ -67,10 +67,13 @@ class Positions:
     reduction: str
     details: bool
 
-    @property
-    def keep_rows(self) -> Tensor | None:
-        """``keep`` flattened to one flag per row of the ``[N, V]`` problem, or None."""
-        return None if self.keep is None else self.keep.reshape(-1)
+    def selection(self, backend: str) -> tuple[Tensor | None, Tensor | None]:
+        """``(rows, flags)`` for a row engine: the Triton kernels take one bool flag per row of
+        the ``[N, V]`` problem and skip the others without a host read (``(None, flags)``); the
+        PyTorch engine gathers the kept rows by index (``(rows, None)``). None: every row."""
+        if backend == "triton":
+            return None, None if self.keep is None else self.keep.reshape(-1)
+        return self.rows, None
 
     @functools.cached_property
     def rows(self) -> Tensor | None:

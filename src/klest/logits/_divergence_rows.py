@@ -43,7 +43,7 @@ from klest.logits._rows import (
     _scaled,
     _take,
     _work_dtype,
-    kept_mask,
+    row_flags,
     zeroed_rows_buffer,
 )
 from klest.logits._stats import Divergence
@@ -130,7 +130,7 @@ def divergence_rows(
     n = z.shape[0]
     if backend == "triton":
         tau = 1.0 / inv_tau
-        keep = keep if rows is None else kept_mask(rows, n)
+        keep = row_flags(rows, keep, n)
         stats = kl_logits_forward(
             z,
             y,
@@ -186,7 +186,7 @@ def divergence_grads(
         dz, dy = divergence_backward(
             z, y, lse_z, lse_y, s_q, s_p, grad.float(), div, temperature=1.0 / inv_tau,
             need_grad_z=need_z, need_grad_y=need_y,
-            keep=keep if rows is None else kept_mask(rows, z.shape[0]),
+            keep=row_flags(rows, keep, z.shape[0]),
         )  # fmt: skip
         return dz, dy
     dz = zeroed_rows_buffer(z, rows) if need_z else None

@@ -296,7 +296,7 @@ def row_stats(
             want_kl_pi_ref=want_kl_pi_ref,
             want_kl_ref_pi=want_kl_ref_pi,
             want_entropy=want_entropy,
-            keep=keep if rows is None else kept_mask(rows, n),
+            keep=row_flags(rows, keep, n),
         )
         return stats  # float32 rows of the kernel's own [7, N] buffer, as they are
 
@@ -433,7 +433,7 @@ def row_grads(
             grad_logp_ref_label=grads.logp_ref_label,
             need_grad_z=need_z,
             need_grad_y=need_y,
-            keep=keep if rows is None else kept_mask(rows, z.shape[0]),
+            keep=row_flags(rows, keep, z.shape[0]),
         )
         return dz, dy
 
@@ -462,8 +462,11 @@ def row_grads(
     return dz, dy
 
 
-def kept_mask(rows: Tensor, n: int) -> Tensor:
-    """The bool ``[n]`` flags of the row indices ``rows``."""
+def row_flags(rows: Tensor | None, keep: Tensor | None, n: int) -> Tensor | None:
+    """The selected rows as bool ``[n]`` flags: ``keep`` itself, or the flags of the indices
+    ``rows`` (None when neither selects: every row)."""
+    if rows is None:
+        return keep
     return torch.zeros(n, dtype=torch.bool, device=rows.device).index_fill_(0, rows, True)
 
 

@@ -245,11 +245,8 @@ def _from_logits(
         chunk=chunk_rows(bytes_per_row(z.shape[1]), z.device, memory_budget, chunk_size),
         backend=resolve_backend(backend, z),
     )
-    # The Triton kernels skip unkept rows by their flags (no host read); PyTorch gathers by index.
-    if plan.backend == "triton":
-        outputs = _RowsDivergence.apply(z, y, pos.labels, None, pos.keep_rows, plan, checks)
-    else:
-        outputs = _RowsDivergence.apply(z, y, pos.labels, pos.rows, None, plan, checks)
+    rows, flags = pos.selection(plan.backend)
+    outputs = _RowsDivergence.apply(z, y, pos.labels, rows, flags, plan, checks)
     checks.run()
     return finish(outputs, pos)
 

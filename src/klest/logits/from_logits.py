@@ -52,7 +52,7 @@ from klest.logits._call import (
     plan_for,
     positions,
 )
-from klest.logits._rows import kept_mask, row_grads, row_stats, zeroed_rows_buffer
+from klest.logits._rows import row_flags, row_grads, row_stats, zeroed_rows_buffer
 from klest.logits._stats import Grads, KLRowStats
 
 
@@ -81,7 +81,7 @@ class _RowsKL(torch.autograd.Function):
             stash_y=stash_y,
         )
         if plan.merge is not None:
-            stats = plan.merge(stats, keep if rows is None else kept_mask(rows, z.shape[0]))
+            stats = plan.merge(stats, row_flags(rows, keep, z.shape[0]))
         check_rows_have_distributions(stats.lse_z, stats.lse_y, None, checks)
         ctx.plan = plan
         if plan.stash:
@@ -149,9 +149,8 @@ def rows_kl(
     """Apply the autograd Function to ``[N, V]`` logits; five float ``[N]`` outputs, 0 on the
     rows ``pos`` does not keep. The Triton kernels skip those by their flags (no host read); the
     PyTorch engine gathers the kept rows (their indices: one host read)."""
-    if plan.backend == "triton":
-        return _RowsKL.apply(z, y, labels, None, pos.keep_rows, plan, checks)
-    return _RowsKL.apply(z, y, labels, pos.rows, None, plan, checks)
+    rows, flags = pos.selection(plan.backend)
+    return _RowsKL.apply(z, y, labels, rows, flags, plan, checks)
 
 
 def logits_positions(
