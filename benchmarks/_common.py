@@ -1,4 +1,5 @@
-"""What the benchmark scripts share: the command line, writing the JSON, CUDA timers.
+"""What the benchmark scripts share: the command line, writing the JSON (every run kept), CUDA
+timers.
 
 The scripts in this folder are run as ``python benchmarks/NAME.py``, which puts this folder on
 ``sys.path``: they import this module as ``_common``.
@@ -10,6 +11,7 @@ import argparse
 import json
 import statistics
 import subprocess
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -32,12 +34,18 @@ def parser(doc: str | None) -> argparse.ArgumentParser:
 
 
 def write_report(name: str, report: dict, table: str, out: Path) -> Path:
-    """Write ``out/NAME.json``, print the table and the path written; return the path."""
+    """Write ``out/NAME.json`` (this run) and append it as one line of ``out/NAME.runs.jsonl``
+    (every run is kept, so ranges over runs can be recomputed from the files), each stamped with
+    the commit measured and the time; print the table and the path written; return the path."""
+    report.setdefault("commit", source_commit())
+    report.setdefault("time", time.strftime("%Y-%m-%d %H:%M:%S"))
     out.mkdir(parents=True, exist_ok=True)
     path = out / f"{name}.json"
     path.write_text(json.dumps(report, indent=2))
+    with (out / f"{name}.runs.jsonl").open("a") as f:
+        f.write(json.dumps(report) + "\n")
     print(table)
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path} (and appended the run to {name}.runs.jsonl)")
     return path
 
 
@@ -83,13 +91,3 @@ def source_commit() -> str | None:
         if git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")
         else ""
     )
-
-
-def append_run(name: str, report: dict, out: Path) -> Path:
-    """Append ``report`` as one line of ``out/NAME.runs.jsonl``: every run is kept, so ranges
-    over runs can be recomputed from the files."""
-    out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}.runs.jsonl"
-    with path.open("a") as f:
-        f.write(json.dumps(report) + "\n")
-    return path

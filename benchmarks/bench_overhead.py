@@ -30,7 +30,7 @@ from collections.abc import Callable
 import torch
 
 import klest
-from _common import append_run, parser, source_commit, write_report
+from _common import parser, write_report
 
 
 def plain_penalty(logp, logp_ref, mask, group_size):
@@ -202,10 +202,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
         "device_kind": device,
         "torch": torch.__version__,
-        "commit": source_commit(),
         "threads": torch.get_num_threads(),
         "reps": reps,
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
         "quick": args.quick,
         # Other processes and the C allocator move CPU timings: record both.
         "load_average_before": os.getloadavg(),
@@ -215,7 +213,6 @@ def main() -> None:
     report["load_average_after"] = os.getloadavg()
     name = f"overhead-{device}"
     write_report(name, report, _table(report), args.out)
-    append_run(name, report, args.out)
 
 
 if __name__ == "__main__":

@@ -7,8 +7,8 @@
 #
 #   bash benchmarks/run_on_gpu.sh [DIR] [OVERHEAD_RUNS]
 #
-# Writes DIR/test-gpu.log, DIR/overhead-cuda.json (the last run) with every run appended to
-# DIR/overhead-cuda.runs.jsonl, and DIR/vocab-gpu.json. Exits non-zero if any step failed.
+# Writes DIR/test-gpu.log, DIR/overhead-cuda.json and DIR/vocab-gpu.json (the last runs), with
+# every run appended to DIR/NAME.runs.jsonl. Exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-benchmarks/results}

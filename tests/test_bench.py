@@ -49,6 +49,9 @@ def test_vocab_cpu_quick_writes_every_method(tmp_path):
     # The methods compute the same KL: float32 sums of 256 KLs of size ~4 agree to ~1e-6.
     assert max(sums) - min(sums) <= 1e-5 * abs(sums[0])
     assert "| naive |" in done.stdout
+    # The run is also kept, stamped, in the file of every run.
+    (run,) = (tmp_path / "vocab-cpu.runs.jsonl").read_text().splitlines()
+    assert json.loads(run) == report and "commit" in report and "time" in report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
