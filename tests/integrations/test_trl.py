@@ -79,7 +79,8 @@ def _common_args(tmp_path) -> dict:
 
 
 def _grpo(tiny_lm, args, **kwargs):
-    """klest's GRPOTrainer on the tiny model, the prompts and the reward of these tests."""
+    """klest's GRPOTrainer on the tiny model, the prompts and the reward of these tests (and
+    ``eval_dataset`` or ``kl`` from ``kwargs``)."""
     return GRPOTrainer(
         model=tiny_lm,
         reward_funcs=_reward,
@@ -280,8 +281,9 @@ def _perturbed(trainer, seed: int = 0):
     return trainer
 
 
-def _rloo(cls, tiny_lm, tmp_path, **kwargs):
-    args = RLOOConfig(num_generations=2, mask_truncated_completions=True, **_common_args(tmp_path))
+def _rloo(cls, tiny_lm, tmp_path, config: dict | None = None, **kwargs):
+    settings = {"num_generations": 2, "mask_truncated_completions": True, **(config or {})}
+    args = RLOOConfig(**settings, **_common_args(tmp_path))
     return _perturbed(
         cls(
             model=tiny_lm,
@@ -310,6 +312,46 @@ def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path):
     assert float(expected) > 0.0
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     _assert_grads_close(got_grads, expected_grads)
+
+
+@pytest.mark.parametrize("trainer_class", ["GRPOTrainer", "RLOOTrainer"])
+def test_evaluation_adds_the_kl_term_without_gradient_accumulation_scaling(
+    tiny_lm, tmp_path, trainer_class
+):
+    """TRL evaluates the same loss under torch.no_grad() (the KL term included); there is no
+    accumulation in evaluation, so the term is beta * klest's value, unscaled."""
+    kl = KLTerm()
+    evaluation = {"per_device_eval_batch_size": 4}
+    if trainer_class == "GRPOTrainer":
+        args = GRPOConfig(num_generations=2, **evaluation, **_common_args(tmp_path))
+        trainer = _perturbed(_grpo(tiny_lm, args, kl=kl, eval_dataset=_prompts()))
+    else:
+        trainer = _rloo(RLOOTrainer, tiny_lm, tmp_path, config=evaluation, kl=kl)
+        trainer.eval_dataset = _prompts()
+    seen = _record_batches(trainer)
+    metrics = trainer.evaluate()
+    assert len(seen) == 2 * len(_prompts()) // 4  # num_generations=2 per prompt, 4 per batch
+    assert torch.isfinite(torch.tensor([metrics["eval_loss"], metrics["eval_kl"]])).all()
+    assert metrics["eval_kl"] > 0.0  # k3, with the policy moved away from the reference
+
+    batch = seen[-1]
+    trainer.model.eval()
+    with torch.no_grad():
+        full = trainer._compute_loss(trainer.model, batch)
+        beta, trainer.beta = trainer.beta, 0.0
+        try:
+            policy_only = trainer._compute_loss(trainer.model, batch)
+        finally:
+            trainer.beta = beta
+        expected = BETA * klest.kl_penalty(
+            _completion_logps(trainer.model, batch),
+            batch["ref_per_token_logps"],
+            mask=batch["completion_mask"].bool(),
+            estimator=kl.estimator,
+            baseline=kl.baseline,
+            group=_groups_by_hand(batch),
+        )
+    torch.testing.assert_close(full - policy_only, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_trls_own_rloo_puts_the_kl_in_the_reward(tiny_lm, tmp_path):

@@ -194,7 +194,9 @@ class _KLTermInLoss:
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        if self._captured_logps is not None and torch.is_grad_enabled():
+        # Captured inside the loss only, with or without autograd: evaluation computes the same
+        # loss under torch.no_grad().
+        if self._captured_logps is not None:
             self._captured_logps.append(out[0])
         return out
 
