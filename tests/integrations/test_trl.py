@@ -142,7 +142,14 @@ def _kl_added_to_the_loss(trainer, batch) -> tuple[torch.Tensor, list[torch.Tens
     return added.detach(), list(torch.autograd.grad(added, params, allow_unused=True))
 
 
-def _expected_term(trainer, batch, kl: KLTerm, scale: float):
+_FROM_THE_BATCH = object()
+
+
+def _expected_term(trainer, batch, kl: KLTerm, scale: float, logp_behavior=_FROM_THE_BATCH):
+    """beta * scale * klest's term on an independent forward pass; the samples' behavior
+    log-probs are TRL's own (``old_per_token_logps``) unless given."""
+    if logp_behavior is _FROM_THE_BATCH:
+        logp_behavior = batch.get("old_per_token_logps")
     model = trainer.model
     params = [p for p in model.parameters() if p.requires_grad]
     logp = _completion_logps(model, batch)
@@ -159,7 +166,7 @@ def _expected_term(trainer, batch, kl: KLTerm, scale: float):
             group=_groups_by_hand(batch),
             direction=kl.direction,
             reduction=kl.reduction,
-            logp_behavior=batch.get("old_per_token_logps"),
+            logp_behavior=logp_behavior,
         )
     )
     return term.detach(), list(torch.autograd.grad(term, params, allow_unused=True))
@@ -296,9 +303,29 @@ def _rloo(cls, tiny_lm, tmp_path, config: dict | None = None, **kwargs):
     )
 
 
-def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path):
+def _logps_with_parameters(model, batch, parameters: dict) -> torch.Tensor:
+    """The completion log-probs under other values of the model's parameters (restored after)."""
+    current = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(parameters[n])
+            return _completion_logps(model, batch)
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(current[n])
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path, num_iterations):
+    """num_iterations=2: the one generation batch is trained on again after an update, so the
+    last micro-batch's samples come from the policy before training (behavior log-probs
+    computed here from those parameters)."""
     kl = KLTerm()
-    trainer = _rloo(RLOOTrainer, tiny_lm, tmp_path, kl=kl)
+    config = {"num_iterations": num_iterations}
+    trainer = _rloo(RLOOTrainer, tiny_lm, tmp_path, config=config, kl=kl)
+    sampler = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     seen = _record_batches(trainer)
     trainer.train()
     assert len(seen) == 2 * ACCUMULATION
@@ -308,7 +335,9 @@ def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path):
     batch = seen[-1]
     trainer.model.train()
     got, got_grads = _kl_added_to_the_loss(trainer, batch)
-    expected, expected_grads = _expected_term(trainer, batch, kl, scale=1.0)
+    assert ("old_per_token_logps" in batch) == (num_iterations > 1)
+    behavior = _logps_with_parameters(trainer.model, batch, sampler) if num_iterations > 1 else None
+    expected, expected_grads = _expected_term(trainer, batch, kl, scale=1.0, logp_behavior=behavior)
     assert float(expected) > 0.0
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     _assert_grads_close(got_grads, expected_grads)

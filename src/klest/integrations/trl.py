@@ -288,22 +288,29 @@ class RLOOTrainer(_KLTermInLoss, trl.RLOOTrainer):
     def _generate_and_score_completions(self, inputs):
         if self.beta == 0.0:
             return super()._generate_and_score_completions(inputs)
-        with self._capturing_ref_logps() as ref:
+        with self._capturing_scoring_logps() as captured:
             output = super()._generate_and_score_completions(inputs)
-        output["ref_per_token_logps"] = ref[0]
+        output["ref_per_token_logps"] = _computed_once(captured["ref"], "the reference log-probs")
+        policy = _computed_once(captured["policy"], "the sampler's log-probs")
+        if self.model.training and _reuses_samples_after_an_update(self.args, self.num_iterations):
+            # TRL's RLOO keeps only the sampler's sequence log-probs (its ratio is per sequence);
+            # the KL term's importance weights are per token, kept as GRPO keeps them.
+            output["old_per_token_logps"] = policy
         return output
 
     @contextlib.contextmanager
-    def _capturing_ref_logps(self) -> Iterator[list[Tensor]]:
-        """Score with TRL's reward KL off: TRL's ref forward pass still runs, and is kept."""
-        captured: list[Tensor] = []
-        beta = self.beta
+    def _capturing_scoring_logps(self) -> Iterator[dict[str, list[Tensor]]]:
+        """Score with TRL's reward KL off, keeping both of TRL's no-grad forward passes: the
+        policy's (the sampler's per-token log-probs) and the reference's."""
+        captured: dict[str, list[Tensor]] = {"policy": [], "ref": []}
         original = self._get_per_token_logps_and_entropies
+        beta = self.beta
 
         def capture(model, *args, **kwargs):
             out = original(model, *args, **kwargs)
-            if model is self.ref_model:
-                captured.append(out[0])
+            is_ref = model is self.ref_model
+            captured["ref" if is_ref else "policy"].append(out[0])
+            if is_ref:
                 # TRL's reward penalty reads beta after this forward pass: switch it off now.
                 self.beta = 0.0
             return out
@@ -314,11 +321,23 @@ class RLOOTrainer(_KLTermInLoss, trl.RLOOTrainer):
         finally:
             del self._get_per_token_logps_and_entropies
             self.beta = beta
-        if len(captured) != 1:
-            raise RuntimeError(
-                f"expected TRL to compute the reference log-probs once, saw {len(captured)} "
-                f"times: this TRL version ({trl.__version__}) is not supported"
-            )
+
+
+def _computed_once(captured: list[Tensor], what: str) -> Tensor:
+    if len(captured) != 1:
+        raise RuntimeError(
+            f"expected TRL to compute {what} once, saw {len(captured)} times: this TRL version "
+            f"({trl.__version__}) is not supported"
+        )
+    return captured[0]
+
+
+def _reuses_samples_after_an_update(args: Any, num_iterations: int) -> bool:
+    """Whether TRL trains on a generation batch after an optimizer step has changed the policy
+    that sampled it: its buffer spans ``steps_per_generation * num_iterations`` micro-batches,
+    which then do not tile the accumulation windows (TRL's own rule for keeping
+    ``old_per_token_logps``)."""
+    return args.gradient_accumulation_steps % (args.steps_per_generation * num_iterations) != 0
 
 
 class DistillationTrainer(trl.DistillationTrainer):
