@@ -7,6 +7,8 @@ value and gradient, against klest computed here from an independent forward pass
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -393,11 +395,11 @@ def test_trls_own_rloo_puts_the_kl_in_the_reward(tiny_lm, tmp_path):
     assert any(torch.count_nonzero(b["advantages"]) > 0 for b in seen)
 
 
-def _distillation_trainer(tiny_lm, tmp_path, **kwargs):
+def _distillation_trainer(tiny_lm, tmp_path, config: dict | None = None, **kwargs):
     teacher = save_tiny_lm(tmp_path / "teacher", seed=1)
     common = _common_args(tmp_path)
     beta = kwargs.pop("beta", 1.0)
-    common.update(beta=beta)
+    common.update(beta=beta, **(config or {}))
     args = DistillationConfig(**common)
     return DistillationTrainer(
         model=tiny_lm,
@@ -507,6 +509,27 @@ def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
     for beta in (0.0, 0.5):
         with pytest.raises(ValueError, match="sequence_level"):
             _distillation_trainer(tiny_lm, tmp_path, beta=beta, sequence_level=True)
+
+
+def test_sampling_other_than_softmax_over_temperature_is_named(tiny_lm, tmp_path):
+    """The log-probs are those of softmax(logits / temperature): with top-k / top-p sampling the
+    completions come from another distribution. The sequence-level distillation gradient is
+    refused; GRPO's and RLOO's KL terms warn (TRL's own term is biased the same way)."""
+    with pytest.raises(ValueError, match=r"samples with top_k=5"):
+        _distillation_trainer(tiny_lm, tmp_path, config={"top_k": 5}, sequence_level=True)
+    with pytest.raises(ValueError, match=r"generation_kwargs\['typical_p'\]"):
+        config = {"generation_kwargs": {"typical_p": 0.9}}
+        _distillation_trainer(tiny_lm, tmp_path, config=config, sequence_level=True)
+    _distillation_trainer(tiny_lm, tmp_path, config={"top_k": 5})  # per-token loss: exact KLs
+    with pytest.warns(klest.KLGradientWarning, match=r"top_p=0\.9, repetition_penalty=1\.2"):
+        config = GRPOConfig(
+            num_generations=2, top_p=0.9, repetition_penalty=1.2, **_common_args(tmp_path)
+        )
+        _grpo(tiny_lm, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", klest.KLGradientWarning)
+        _grpo(tiny_lm, GRPOConfig(num_generations=2, **_common_args(tmp_path)))
+        _distillation_trainer(tiny_lm, tmp_path, sequence_level=True)
 
 
 def test_grpo_with_beta_zero_builds_without_a_reference_model(tiny_lm, tmp_path):

@@ -32,6 +32,7 @@ TRL does not expose as an extension point: the supported TRL versions are the te
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,13 @@ from klest._types import Baseline, Direction, Estimator, Grad, Reduction
 from klest.aggregation import WithDetails
 from klest.integrations.hf import group_ids_from_prompts
 from klest.logits import jsd_from_hidden
-from klest.penalty import EXACT_KL_BASELINES, GRADIENT_ESTIMATORS, PenaltyDetails, kl_penalty
+from klest.penalty import (
+    EXACT_KL_BASELINES,
+    GRADIENT_ESTIMATORS,
+    KLGradientWarning,
+    PenaltyDetails,
+    kl_penalty,
+)
 
 __all__ = ["DistillationTrainer", "GRPOTrainer", "KLTerm", "RLOOTrainer"]
 
@@ -65,6 +72,36 @@ def _check_trl_version() -> None:
             f"klest.integrations.trl supports TRL {SUPPORTED_TRL[0]}.{SUPPORTED_TRL[1]}.x (it "
             f"overrides the trainers' loss internals); found trl {trl.__version__}"
         )
+
+
+_SAMPLING_NEUTRAL = {
+    "top_p": (1.0, None),
+    "top_k": (0, None),
+    "min_p": (None, 0.0),
+    "repetition_penalty": (1.0, None),
+}
+"""TRL's sampling options, and their values that leave generation at
+``softmax(logits / temperature)``."""
+
+_SAMPLING_KWARGS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "num_beams")
+"""``generation_kwargs`` that also change which distribution the completions come from."""
+
+
+def _sampling_changes(args: Any) -> list[str]:
+    """The options under which TRL samples completions from something other than
+    ``softmax(logits / temperature)``, the distribution its log-probs are computed under."""
+    changed = [
+        f"{name}={getattr(args, name)!r}"
+        for name, neutral in _SAMPLING_NEUTRAL.items()
+        if getattr(args, name, None) not in neutral
+    ]
+    extra = getattr(args, "generation_kwargs", None) or {}
+    changed += [
+        f"generation_kwargs[{k!r}]={v!r}"
+        for k, v in extra.items()
+        if k in _SAMPLING_KWARGS or v not in _SAMPLING_NEUTRAL.get(k, (v,))
+    ]
+    return changed
 
 
 _EXACT_KL_BASELINE_REFUSED = (
@@ -190,6 +227,15 @@ class _KLTermInLoss:
             raise NotImplementedError(
                 "klest's KL term needs a separate reference model (a PEFT adapter's disabled "
                 "base is not supported); pass a model that is not a PEFT model, or beta=0.0"
+            )
+        changed = _sampling_changes(self.args)
+        if changed:
+            warnings.warn(
+                f"the completions are sampled with {', '.join(changed)}, not from "
+                "pi = softmax(logits / temperature), whose log-probs the KL term uses: its value "
+                "and gradient are biased for KL(pi||ref) (TRL's own KL term too)",
+                KLGradientWarning,
+                stacklevel=3,
             )
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
@@ -384,6 +430,13 @@ class DistillationTrainer(trl.DistillationTrainer):
         _check_trl_version()
         if sequence_level and self.beta != 1.0:
             raise ValueError("sequence_level=True is for KL(student||teacher): set beta=1.0")
+        changed = _sampling_changes(self.args) if sequence_level else []
+        if changed:
+            raise ValueError(
+                f"sequence_level=True needs the completions sampled from the student's "
+                f"softmax(logits / temperature); the config samples with {', '.join(changed)}: "
+                "use the defaults (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)"
+            )
         if baseline is not None:
             if baseline in EXACT_KL_BASELINES:
                 raise ValueError(
