@@ -182,16 +182,19 @@ def _assert_grads_close(got, expected):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("num_iterations", [1, 2])
+@pytest.mark.parametrize(("num_iterations", "loss_type"), [(1, "dapo"), (2, "dapo"), (1, "grpo")])
 def test_grpo_trains_with_klests_kl_term_and_it_is_what_the_loss_adds(
-    tiny_lm, tmp_path, num_iterations
+    tiny_lm, tmp_path, num_iterations, loss_type
 ):
     """num_iterations=2 reuses each generation batch: the samples are off-policy the second time
-    (TRL keeps the sampling policy's log-probs, which klest takes as logp_behavior)."""
+    (TRL keeps the sampling policy's log-probs, which klest takes as logp_behavior). The term
+    does not follow the loss type's normalization (TRL's own KL would: "grpo" averages each
+    completion's tokens, "dapo" divides by the generation batch's tokens)."""
     kl = KLTerm(estimator="k3", grad="cumulative", baseline="loo")
     args = GRPOConfig(
         num_generations=2,
         num_iterations=num_iterations,
+        loss_type=loss_type,
         mask_truncated_completions=True,
         **_common_args(tmp_path),
     )

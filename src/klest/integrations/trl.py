@@ -317,7 +317,9 @@ class RLOOTrainer(_KLTermInLoss, trl.RLOOTrainer):
     TRL's RLOO subtracts ``beta * sum_t k1_t`` from each completion's reward; here the reward is
     the task reward alone and ``beta * kl_penalty(...)`` joins the loss, its gradient a
     cumulative (reward-to-go) score function with a leave-one-out baseline. The reference
-    model's log-probs are computed once per generation batch, as TRL does.
+    model's log-probs are computed once per generation batch, as TRL does; when TRL trains on a
+    generation batch after an optimizer step (``num_iterations > 1``, ``steps_per_generation``),
+    the sampler's per-token log-probs from TRL's scoring pass are the term's ``logp_behavior``.
 
     Every other argument is ``trl.RLOOTrainer``'s.
 
