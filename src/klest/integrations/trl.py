@@ -262,15 +262,10 @@ class _KLTermInLoss:
             return super()._compute_loss(model, inputs)
         with self._without_trl_kl() as captured:
             loss = super()._compute_loss(model, inputs)
-        if len(captured) != 1:
-            raise RuntimeError(
-                f"expected TRL's loss to compute the policy's log-probs once, saw {len(captured)} "
-                f"times: this TRL version ({trl.__version__}) is not supported"
-            )
+        logp = _computed_once(captured, "the policy's log-probs in its loss")
         mask = inputs["completion_mask"].bool()
         if "tool_mask" in inputs:
             mask = mask & inputs["tool_mask"].bool()
-        logp = captured[0]
         group = group_ids_from_prompts(inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"])
         kl, details = self.kl_term(
             logp,
