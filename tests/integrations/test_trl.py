@@ -7,6 +7,8 @@ value and gradient, against klest computed here from an independent forward pass
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -79,7 +81,8 @@ def _common_args(tmp_path) -> dict:
 
 
 def _grpo(tiny_lm, args, **kwargs):
-    """klest's GRPOTrainer on the tiny model, the prompts and the reward of these tests."""
+    """klest's GRPOTrainer on the tiny model, the prompts and the reward of these tests (and
+    ``eval_dataset`` or ``kl`` from ``kwargs``)."""
     return GRPOTrainer(
         model=tiny_lm,
         reward_funcs=_reward,
@@ -141,7 +144,14 @@ def _kl_added_to_the_loss(trainer, batch) -> tuple[torch.Tensor, list[torch.Tens
     return added.detach(), list(torch.autograd.grad(added, params, allow_unused=True))
 
 
-def _expected_term(trainer, batch, kl: KLTerm, scale: float):
+_FROM_THE_BATCH = object()
+
+
+def _expected_term(trainer, batch, kl: KLTerm, scale: float, logp_behavior=_FROM_THE_BATCH):
+    """beta * scale * klest's term on an independent forward pass; the samples' behavior
+    log-probs are TRL's own (``old_per_token_logps``) unless given."""
+    if logp_behavior is _FROM_THE_BATCH:
+        logp_behavior = batch.get("old_per_token_logps")
     model = trainer.model
     params = [p for p in model.parameters() if p.requires_grad]
     logp = _completion_logps(model, batch)
@@ -158,7 +168,7 @@ def _expected_term(trainer, batch, kl: KLTerm, scale: float):
             group=_groups_by_hand(batch),
             direction=kl.direction,
             reduction=kl.reduction,
-            logp_behavior=batch.get("old_per_token_logps"),
+            logp_behavior=logp_behavior,
         )
     )
     return term.detach(), list(torch.autograd.grad(term, params, allow_unused=True))
@@ -172,16 +182,19 @@ def _assert_grads_close(got, expected):
             torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("num_iterations", [1, 2])
+@pytest.mark.parametrize(("num_iterations", "loss_type"), [(1, "dapo"), (2, "dapo"), (1, "grpo")])
 def test_grpo_trains_with_klests_kl_term_and_it_is_what_the_loss_adds(
-    tiny_lm, tmp_path, num_iterations
+    tiny_lm, tmp_path, num_iterations, loss_type
 ):
     """num_iterations=2 reuses each generation batch: the samples are off-policy the second time
-    (TRL keeps the sampling policy's log-probs, which klest takes as logp_behavior)."""
+    (TRL keeps the sampling policy's log-probs, which klest takes as logp_behavior). The term
+    does not follow the loss type's normalization (TRL's own KL would: "grpo" averages each
+    completion's tokens, "dapo" divides by the generation batch's tokens)."""
     kl = KLTerm(estimator="k3", grad="cumulative", baseline="loo")
     args = GRPOConfig(
         num_generations=2,
         num_iterations=num_iterations,
+        loss_type=loss_type,
         mask_truncated_completions=True,
         **_common_args(tmp_path),
     )
@@ -280,8 +293,9 @@ def _perturbed(trainer, seed: int = 0):
     return trainer
 
 
-def _rloo(cls, tiny_lm, tmp_path, **kwargs):
-    args = RLOOConfig(num_generations=2, mask_truncated_completions=True, **_common_args(tmp_path))
+def _rloo(cls, tiny_lm, tmp_path, config: dict | None = None, **kwargs):
+    settings = {"num_generations": 2, "mask_truncated_completions": True, **(config or {})}
+    args = RLOOConfig(**settings, **_common_args(tmp_path))
     return _perturbed(
         cls(
             model=tiny_lm,
@@ -294,9 +308,29 @@ def _rloo(cls, tiny_lm, tmp_path, **kwargs):
     )
 
 
-def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path):
+def _logps_with_parameters(model, batch, parameters: dict) -> torch.Tensor:
+    """The completion log-probs under other values of the model's parameters (restored after)."""
+    current = {n: p.detach().clone() for n, p in model.named_parameters()}
+    try:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(parameters[n])
+            return _completion_logps(model, batch)
+    finally:
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(current[n])
+
+
+@pytest.mark.parametrize("num_iterations", [1, 2])
+def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path, num_iterations):
+    """num_iterations=2: the one generation batch is trained on again after an update, so the
+    last micro-batch's samples come from the policy before training (behavior log-probs
+    computed here from those parameters)."""
     kl = KLTerm()
-    trainer = _rloo(RLOOTrainer, tiny_lm, tmp_path, kl=kl)
+    config = {"num_iterations": num_iterations}
+    trainer = _rloo(RLOOTrainer, tiny_lm, tmp_path, config=config, kl=kl)
+    sampler = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     seen = _record_batches(trainer)
     trainer.train()
     assert len(seen) == 2 * ACCUMULATION
@@ -306,10 +340,52 @@ def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path):
     batch = seen[-1]
     trainer.model.train()
     got, got_grads = _kl_added_to_the_loss(trainer, batch)
-    expected, expected_grads = _expected_term(trainer, batch, kl, scale=1.0)
+    assert ("old_per_token_logps" in batch) == (num_iterations > 1)
+    behavior = _logps_with_parameters(trainer.model, batch, sampler) if num_iterations > 1 else None
+    expected, expected_grads = _expected_term(trainer, batch, kl, scale=1.0, logp_behavior=behavior)
     assert float(expected) > 0.0
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
     _assert_grads_close(got_grads, expected_grads)
+
+
+@pytest.mark.parametrize("trainer_class", ["GRPOTrainer", "RLOOTrainer"])
+def test_evaluation_adds_the_kl_term_without_gradient_accumulation_scaling(
+    tiny_lm, tmp_path, trainer_class
+):
+    """TRL evaluates the same loss under torch.no_grad() (the KL term included); there is no
+    accumulation in evaluation, so the term is beta * klest's value, unscaled."""
+    kl = KLTerm()
+    evaluation = {"per_device_eval_batch_size": 4}
+    if trainer_class == "GRPOTrainer":
+        args = GRPOConfig(num_generations=2, **evaluation, **_common_args(tmp_path))
+        trainer = _perturbed(_grpo(tiny_lm, args, kl=kl, eval_dataset=_prompts()))
+    else:
+        trainer = _rloo(RLOOTrainer, tiny_lm, tmp_path, config=evaluation, kl=kl)
+        trainer.eval_dataset = _prompts()
+    seen = _record_batches(trainer)
+    metrics = trainer.evaluate()
+    assert len(seen) == 2 * len(_prompts()) // 4  # num_generations=2 per prompt, 4 per batch
+    assert torch.isfinite(torch.tensor([metrics["eval_loss"], metrics["eval_kl"]])).all()
+    assert metrics["eval_kl"] > 0.0  # k3, with the policy moved away from the reference
+
+    batch = seen[-1]
+    trainer.model.eval()
+    with torch.no_grad():
+        full = trainer._compute_loss(trainer.model, batch)
+        beta, trainer.beta = trainer.beta, 0.0
+        try:
+            policy_only = trainer._compute_loss(trainer.model, batch)
+        finally:
+            trainer.beta = beta
+        expected = BETA * klest.kl_penalty(
+            _completion_logps(trainer.model, batch),
+            batch["ref_per_token_logps"],
+            mask=batch["completion_mask"].bool(),
+            estimator=kl.estimator,
+            baseline=kl.baseline,
+            group=_groups_by_hand(batch),
+        )
+    torch.testing.assert_close(full - policy_only, expected, rtol=1e-5, atol=1e-7)
 
 
 def test_trls_own_rloo_puts_the_kl_in_the_reward(tiny_lm, tmp_path):
@@ -322,11 +398,11 @@ def test_trls_own_rloo_puts_the_kl_in_the_reward(tiny_lm, tmp_path):
     assert any(torch.count_nonzero(b["advantages"]) > 0 for b in seen)
 
 
-def _distillation_trainer(tiny_lm, tmp_path, **kwargs):
+def _distillation_trainer(tiny_lm, tmp_path, config: dict | None = None, **kwargs):
     teacher = save_tiny_lm(tmp_path / "teacher", seed=1)
     common = _common_args(tmp_path)
     beta = kwargs.pop("beta", 1.0)
-    common.update(beta=beta)
+    common.update(beta=beta, **(config or {}))
     args = DistillationConfig(**common)
     return DistillationTrainer(
         model=tiny_lm,
@@ -436,6 +512,27 @@ def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
     for beta in (0.0, 0.5):
         with pytest.raises(ValueError, match="sequence_level"):
             _distillation_trainer(tiny_lm, tmp_path, beta=beta, sequence_level=True)
+
+
+def test_sampling_other_than_softmax_over_temperature_is_named(tiny_lm, tmp_path):
+    """The log-probs are those of softmax(logits / temperature): with top-k / top-p sampling the
+    completions come from another distribution. The sequence-level distillation gradient is
+    refused; GRPO's and RLOO's KL terms warn (TRL's own term is biased the same way)."""
+    with pytest.raises(ValueError, match=r"samples with top_k=5"):
+        _distillation_trainer(tiny_lm, tmp_path, config={"top_k": 5}, sequence_level=True)
+    with pytest.raises(ValueError, match=r"generation_kwargs\['typical_p'\]"):
+        config = {"generation_kwargs": {"typical_p": 0.9}}
+        _distillation_trainer(tiny_lm, tmp_path, config=config, sequence_level=True)
+    _distillation_trainer(tiny_lm, tmp_path, config={"top_k": 5})  # per-token loss: exact KLs
+    with pytest.warns(klest.KLGradientWarning, match=r"top_p=0\.9, repetition_penalty=1\.2"):
+        config = GRPOConfig(
+            num_generations=2, top_p=0.9, repetition_penalty=1.2, **_common_args(tmp_path)
+        )
+        _grpo(tiny_lm, config)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", klest.KLGradientWarning)
+        _grpo(tiny_lm, GRPOConfig(num_generations=2, **_common_args(tmp_path)))
+        _distillation_trainer(tiny_lm, tmp_path, sequence_level=True)
 
 
 def test_grpo_with_beta_zero_builds_without_a_reference_model(tiny_lm, tmp_path):

@@ -32,6 +32,7 @@ TRL does not expose as an extension point: the supported TRL versions are the te
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -51,7 +52,13 @@ from klest._types import Baseline, Direction, Estimator, Grad, Reduction
 from klest.aggregation import WithDetails
 from klest.integrations.hf import group_ids_from_prompts
 from klest.logits import jsd_from_hidden
-from klest.penalty import EXACT_KL_BASELINES, GRADIENT_ESTIMATORS, PenaltyDetails, kl_penalty
+from klest.penalty import (
+    EXACT_KL_BASELINES,
+    GRADIENT_ESTIMATORS,
+    KLGradientWarning,
+    PenaltyDetails,
+    kl_penalty,
+)
 
 __all__ = ["DistillationTrainer", "GRPOTrainer", "KLTerm", "RLOOTrainer"]
 
@@ -65,6 +72,36 @@ def _check_trl_version() -> None:
             f"klest.integrations.trl supports TRL {SUPPORTED_TRL[0]}.{SUPPORTED_TRL[1]}.x (it "
             f"overrides the trainers' loss internals); found trl {trl.__version__}"
         )
+
+
+_SAMPLING_NEUTRAL = {
+    "top_p": (1.0, None),
+    "top_k": (0, None),
+    "min_p": (None, 0.0),
+    "repetition_penalty": (1.0, None),
+}
+"""TRL's sampling options, and their values that leave generation at
+``softmax(logits / temperature)``."""
+
+_SAMPLING_KWARGS = ("typical_p", "epsilon_cutoff", "eta_cutoff", "num_beams")
+"""``generation_kwargs`` that also change which distribution the completions come from."""
+
+
+def _sampling_changes(args: Any) -> list[str]:
+    """The options under which TRL samples completions from something other than
+    ``softmax(logits / temperature)``, the distribution its log-probs are computed under."""
+    changed = [
+        f"{name}={getattr(args, name)!r}"
+        for name, neutral in _SAMPLING_NEUTRAL.items()
+        if getattr(args, name, None) not in neutral
+    ]
+    extra = getattr(args, "generation_kwargs", None) or {}
+    changed += [
+        f"generation_kwargs[{k!r}]={v!r}"
+        for k, v in extra.items()
+        if k in _SAMPLING_KWARGS or v not in _SAMPLING_NEUTRAL.get(k, (v,))
+    ]
+    return changed
 
 
 _EXACT_KL_BASELINE_REFUSED = (
@@ -191,10 +228,21 @@ class _KLTermInLoss:
                 "klest's KL term needs a separate reference model (a PEFT adapter's disabled "
                 "base is not supported); pass a model that is not a PEFT model, or beta=0.0"
             )
+        changed = _sampling_changes(self.args)
+        if changed:
+            warnings.warn(
+                f"the completions are sampled with {', '.join(changed)}, not from "
+                "pi = softmax(logits / temperature), whose log-probs the KL term uses: its value "
+                "and gradient are biased for KL(pi||ref) (TRL's own KL term too)",
+                KLGradientWarning,
+                stacklevel=3,
+            )
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
         out = super()._get_per_token_logps_and_entropies(model, *args, **kwargs)
-        if self._captured_logps is not None and torch.is_grad_enabled():
+        # Captured inside the loss only, with or without autograd: evaluation computes the same
+        # loss under torch.no_grad().
+        if self._captured_logps is not None:
             self._captured_logps.append(out[0])
         return out
 
@@ -214,15 +262,10 @@ class _KLTermInLoss:
             return super()._compute_loss(model, inputs)
         with self._without_trl_kl() as captured:
             loss = super()._compute_loss(model, inputs)
-        if len(captured) != 1:
-            raise RuntimeError(
-                f"expected TRL's loss to compute the policy's log-probs once, saw {len(captured)} "
-                f"times: this TRL version ({trl.__version__}) is not supported"
-            )
+        logp = _computed_once(captured, "the policy's log-probs in its loss")
         mask = inputs["completion_mask"].bool()
         if "tool_mask" in inputs:
             mask = mask & inputs["tool_mask"].bool()
-        logp = captured[0]
         group = group_ids_from_prompts(inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"])
         kl, details = self.kl_term(
             logp,
@@ -269,7 +312,9 @@ class RLOOTrainer(_KLTermInLoss, trl.RLOOTrainer):
     TRL's RLOO subtracts ``beta * sum_t k1_t`` from each completion's reward; here the reward is
     the task reward alone and ``beta * kl_penalty(...)`` joins the loss, its gradient a
     cumulative (reward-to-go) score function with a leave-one-out baseline. The reference
-    model's log-probs are computed once per generation batch, as TRL does.
+    model's log-probs are computed once per generation batch, as TRL does; when TRL trains on a
+    generation batch after an optimizer step (``num_iterations > 1``, ``steps_per_generation``),
+    the sampler's per-token log-probs from TRL's scoring pass are the term's ``logp_behavior``.
 
     Every other argument is ``trl.RLOOTrainer``'s.
 
@@ -286,22 +331,29 @@ class RLOOTrainer(_KLTermInLoss, trl.RLOOTrainer):
     def _generate_and_score_completions(self, inputs):
         if self.beta == 0.0:
             return super()._generate_and_score_completions(inputs)
-        with self._capturing_ref_logps() as ref:
+        with self._capturing_scoring_logps() as captured:
             output = super()._generate_and_score_completions(inputs)
-        output["ref_per_token_logps"] = ref[0]
+        output["ref_per_token_logps"] = _computed_once(captured["ref"], "the reference log-probs")
+        policy = _computed_once(captured["policy"], "the sampler's log-probs")
+        if self.model.training and _reuses_samples_after_an_update(self.args, self.num_iterations):
+            # TRL's RLOO keeps only the sampler's sequence log-probs (its ratio is per sequence);
+            # the KL term's importance weights are per token, kept as GRPO keeps them.
+            output["old_per_token_logps"] = policy
         return output
 
     @contextlib.contextmanager
-    def _capturing_ref_logps(self) -> Iterator[list[Tensor]]:
-        """Score with TRL's reward KL off: TRL's ref forward pass still runs, and is kept."""
-        captured: list[Tensor] = []
-        beta = self.beta
+    def _capturing_scoring_logps(self) -> Iterator[dict[str, list[Tensor]]]:
+        """Score with TRL's reward KL off, keeping both of TRL's no-grad forward passes: the
+        policy's (the sampler's per-token log-probs) and the reference's."""
+        captured: dict[str, list[Tensor]] = {"policy": [], "ref": []}
         original = self._get_per_token_logps_and_entropies
+        beta = self.beta
 
         def capture(model, *args, **kwargs):
             out = original(model, *args, **kwargs)
-            if model is self.ref_model:
-                captured.append(out[0])
+            is_ref = model is self.ref_model
+            captured["ref" if is_ref else "policy"].append(out[0])
+            if is_ref:
                 # TRL's reward penalty reads beta after this forward pass: switch it off now.
                 self.beta = 0.0
             return out
@@ -312,11 +364,23 @@ class RLOOTrainer(_KLTermInLoss, trl.RLOOTrainer):
         finally:
             del self._get_per_token_logps_and_entropies
             self.beta = beta
-        if len(captured) != 1:
-            raise RuntimeError(
-                f"expected TRL to compute the reference log-probs once, saw {len(captured)} "
-                f"times: this TRL version ({trl.__version__}) is not supported"
-            )
+
+
+def _computed_once(captured: list[Tensor], what: str) -> Tensor:
+    if len(captured) != 1:
+        raise RuntimeError(
+            f"expected TRL to compute {what} once, saw {len(captured)} times: this TRL version "
+            f"({trl.__version__}) is not supported"
+        )
+    return captured[0]
+
+
+def _reuses_samples_after_an_update(args: Any, num_iterations: int) -> bool:
+    """Whether TRL trains on a generation batch after an optimizer step has changed the policy
+    that sampled it: its buffer spans ``steps_per_generation * num_iterations`` micro-batches,
+    which then do not tile the accumulation windows (TRL's own rule for keeping
+    ``old_per_token_logps``)."""
+    return args.gradient_accumulation_steps % (args.steps_per_generation * num_iterations) != 0
 
 
 class DistillationTrainer(trl.DistillationTrainer):
@@ -363,6 +427,13 @@ class DistillationTrainer(trl.DistillationTrainer):
         _check_trl_version()
         if sequence_level and self.beta != 1.0:
             raise ValueError("sequence_level=True is for KL(student||teacher): set beta=1.0")
+        changed = _sampling_changes(self.args) if sequence_level else []
+        if changed:
+            raise ValueError(
+                f"sequence_level=True needs the completions sampled from the student's "
+                f"softmax(logits / temperature); the config samples with {', '.join(changed)}: "
+                "use the defaults (top_p=1.0, top_k=0, min_p=None, repetition_penalty=1.0)"
+            )
         if baseline is not None:
             if baseline in EXACT_KL_BASELINES:
                 raise ValueError(
