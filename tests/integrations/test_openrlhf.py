@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import itertools
 import sys
 
 import pytest
@@ -281,10 +282,12 @@ def test_values_and_gradients_equal_the_real_openrlhfs(unbiased_gradient):
     real = real_function("openrlhf.models.utils", "compute_approx_kl", file_only=True)
     lp, lr = log_probs((6, 40), seed=17, dtype=torch.float32)
     lo, _ = log_probs((6, 40), seed=18, dtype=torch.float32)
-    for estimator in ESTIMATORS:
+    # with the rollout log-probs (9 of the 240 weights pi / pi_old past the clip at 10),
+    # and without them (weight 1)
+    for estimator, old in itertools.product(ESTIMATORS, (lo, None)):
         a, b = two_leaves(lp)
-        ours = openrlhf.compute_approx_kl(a, lr, lo, estimator, unbiased_gradient)
-        theirs = real(b, lr, lo, kl_estimator=estimator, unbiased_gradient=unbiased_gradient)
+        ours = openrlhf.compute_approx_kl(a, lr, old, estimator, unbiased_gradient)
+        theirs = real(b, lr, old, kl_estimator=estimator, unbiased_gradient=unbiased_gradient)
         # OpenRLHF rounds at the scale of its terms: e^{-x} and, straight-through, w delta^2 / 2.
         delta = (lp - lr).double()
         scale = 1 + delta.abs() + (-delta.clamp(min=-10)).exp() + 10 * delta**2

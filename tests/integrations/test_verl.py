@@ -556,6 +556,22 @@ def test_agg_loss_equals_the_real_verls():
             assert abs(float(ours) - float(theirs)) <= 1e-7 * abs(float(theirs)), mode
 
 
+def test_what_klest_says_the_real_verl_does_where_it_differs():
+    """The differences the docstrings state: verl 0.9.1 names ``"full"`` but raises
+    ``NotImplementedError`` (as for unknown names; klest: ``ValueError``), and its ``agg_loss``
+    of a batch with no valid token is 0 / 0 = NaN (klest: 0)."""
+    real_kl = real_function("verl.trainer.ppo.core_algos", "kl_penalty")
+    real_agg = real_function("verl.trainer.ppo.core_algos", "agg_loss")
+    lp, lr = log_probs((3, 4), seed=40)
+    for name in ("full", "kl3"):
+        with pytest.raises(NotImplementedError):
+            real_kl(lp, lr, name)
+    empty = torch.zeros(3, 4, dtype=torch.bool)
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        assert bool(torch.isnan(real_agg(lp, empty, mode)))
+        assert float(verl.agg_loss(lp, empty, mode)) == 0.0
+
+
 def _real_ppo_loss_and_gradient(losses, logp, logp_ref, mask, prompt_len=3):
     """verl's actor loss (``losses.ppo_loss``, the real one) on one micro-batch in the layout its
     ``no_padding_2_padding`` reads: the model's log-probs flat over prompt and response tokens,
