@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.klest-installed
+PEERS  := $(VENV)/.klest-peers-installed
 
 .PHONY: demo test test-gpu lint docs docs-figures clean
 
@@ -13,13 +14,22 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e ".[dev]"
 	touch $(STAMP)
 
+# The real verl and OpenRLHF, pinned, for the tests that compare klest's drop-ins with them: only
+# the listed packages (--no-deps: the peers' own requirements name CUDA packages); deepspeed is
+# an sdist, built against the installed CPU torch (--no-build-isolation).
+$(PEERS): $(STAMP) requirements/peers.txt
+	$(PY) -m pip install --quiet --no-deps --no-build-isolation -r requirements/peers.txt
+	touch $(PEERS)
+
 demo: $(STAMP)
 	$(VENV)/bin/klest demo
 
 # Lint, the tests (doctests included; Triton kernels through the CPU interpreter), the docs.
-test: $(STAMP)
+# KLEST_REQUIRE_PEERS=1: the comparisons with the real verl and OpenRLHF fail, not skip, when
+# those do not import.
+test: $(STAMP) $(PEERS)
 	$(MAKE) lint
-	TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q
+	KLEST_REQUIRE_PEERS=1 TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q
 	$(MAKE) docs
 
 # On a CUDA machine: the kernel, logits and fused-linear tests with the real Triton kernels, and

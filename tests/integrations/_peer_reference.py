@@ -8,16 +8,27 @@
 - :func:`flat_grad`, :func:`exact_grads`: gradients as one vector, and the exact gradients of
   both KLs and of the token-local KLs of a tabular testbed (means that the peers' gradients have,
   by enumeration).
-- :func:`real_function`: a peer's function when the peer imports here (else the test skips);
-  :func:`stand_in_module`: a module of a peer's name holding given functions.
+- :func:`real_module`, :func:`real_function`, :func:`real_source`: an installed peer's module,
+  function, or source (parsed, not imported); where the peer does not import the test skips,
+  or fails under ``KLEST_REQUIRE_PEERS=1`` (``make test``, which installs
+  ``requirements/peers.txt``); :func:`stand_in_module`: a module of a peer's name holding given
+  functions.
 - :func:`two_leaves`: two independent leaf copies of a tensor, to compare two gradients.
 """
 
 from __future__ import annotations
 
+import ast
+import functools
 import importlib
+import importlib.machinery
+import importlib.util
+import os
+import pathlib
 import sys
 import types
+import warnings
+from typing import NoReturn
 
 import pytest
 import torch
@@ -121,13 +132,72 @@ def exact_grads(testbed: TabularAutoregressive) -> dict[str, torch.Tensor]:
     return out
 
 
-def real_function(module: str, name: str):
-    """``module.name`` of an installed peer, or skip: the peers are not klest dependencies, and
-    their modules import heavy packages (verl: ray; OpenRLHF: deepspeed, flash-attn)."""
+REQUIRE_PEERS = os.environ.get("KLEST_REQUIRE_PEERS") == "1"
+"""``make test`` sets ``KLEST_REQUIRE_PEERS=1`` (and installs ``requirements/peers.txt``): a peer
+that does not import then fails the test instead of skipping it."""
+
+
+def _unavailable(what: str, error: Exception) -> NoReturn:
+    reason = f"{what} does not import here ({type(error).__name__}: {error})"
+    if REQUIRE_PEERS:
+        pytest.fail(f"{reason}; KLEST_REQUIRE_PEERS=1 (make test installs requirements/peers.txt)")
+    pytest.skip(f"{reason}; pip install -r requirements/peers.txt runs it")
+
+
+def peer_file(module: str) -> pathlib.Path:
+    """The source file of an installed peer's module, found on ``sys.path`` without importing
+    the module or its parent packages (and past a stand-in of :func:`stand_in_module`)."""
+    top, *rest = module.split(".")
+    spec = importlib.machinery.PathFinder.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(f"no package {top}")
+    base = pathlib.Path(next(iter(spec.submodule_search_locations))).joinpath(*rest)
+    path = base / "__init__.py" if base.is_dir() else base.with_suffix(".py")
+    if not path.is_file():
+        raise ModuleNotFoundError(f"{top} has no module {module} ({path})")
+    return path
+
+
+@functools.cache
+def _module_from_file(module: str) -> types.ModuleType:
+    spec = importlib.util.spec_from_file_location(module, peer_file(module))
+    assert spec is not None and spec.loader is not None
+    loaded = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(loaded)
+    return loaded
+
+
+def real_module(module: str, *, file_only: bool = False) -> types.ModuleType:
+    """An installed peer's module, or skip (fail under ``KLEST_REQUIRE_PEERS=1``): the peers are
+    not klest dependencies, and their modules import heavy packages (verl: Ray).
+
+    ``file_only``: run the module's own file, not its parent packages' ``__init__`` (it is not
+    put in ``sys.modules``). For ``openrlhf.models.utils``: the package ``openrlhf.models``
+    imports OpenRLHF's model classes, which need flash-attn, which has no CPU build; the file
+    itself needs deepspeed only, and holds the function OpenRLHF's trainers import.
+    """
     try:
-        return getattr(importlib.import_module(module), name)
+        with warnings.catch_warnings():  # the peers' own deprecations (deepspeed: torch.jit)
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return _module_from_file(module) if file_only else importlib.import_module(module)
     except Exception as e:  # ImportError, or the peer's own import-time failures
-        pytest.skip(f"{module} does not import here ({type(e).__name__}: {e})")
+        _unavailable(module, e)
+
+
+def real_function(module: str, name: str, *, file_only: bool = False):
+    """``module.name`` of an installed peer (see :func:`real_module`)."""
+    return getattr(real_module(module, file_only=file_only), name)
+
+
+def real_source(module: str) -> ast.Module:
+    """The syntax tree of an installed peer's module, read without importing it (for modules
+    whose imports need a GPU stack: OpenRLHF's actor imports vLLM), or skip / fail as
+    :func:`real_module`."""
+    try:
+        path = peer_file(module)
+    except ModuleNotFoundError as e:
+        _unavailable(module, e)
+    return ast.parse(path.read_text(), filename=str(path))
 
 
 def stand_in_module(monkeypatch, dotted: str, **functions) -> types.ModuleType:

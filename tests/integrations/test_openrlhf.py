@@ -3,9 +3,11 @@
 Values are compared with OpenRLHF's formulas as written here from OpenRLHF 0.11.2's math
 (float64, with its clips); ``grad="peer"`` gradients with autograd of those formulas (and of
 the straight-through surrogate of ``unbiased_gradient``); klest's gradients with autograd of the
-surrogates of ``tests/integrations/_peer_reference.py``. The comparison with the real OpenRLHF
-runs only where ``openrlhf.models.utils`` imports (it needs DeepSpeed and flash-attn), and skips
-otherwise.
+surrogates of ``tests/integrations/_peer_reference.py``. The last tests compare with the real
+OpenRLHF (``requirements/peers.txt``, which ``make test`` installs): the file
+``openrlhf/models/utils.py`` run on its own (the package ``openrlhf.models`` needs flash-attn,
+which has no CPU build), and the source of its actor, parsed (it imports vLLM); without OpenRLHF
+they skip (``make test`` makes them fail instead).
 
 Statistical tests (``tests/_stats.py``): as in ``test_verl.py``, 600 gradients of batches of 8
 on tabular testbeds with exact gradients, ``klest.audit.mean_shift_z`` against the documented
@@ -15,6 +17,9 @@ measure z above 12 at the fixed seed.
 
 from __future__ import annotations
 
+import ast
+import inspect
+import itertools
 import sys
 
 import pytest
@@ -28,6 +33,7 @@ from tests._testbeds import make
 from tests.integrations._peer_reference import (
     exact_grads,
     real_function,
+    real_source,
     stand_in_module,
     surrogate_reference,
     two_leaves,
@@ -273,13 +279,15 @@ def test_install_without_openrlhf(monkeypatch):
 
 @pytest.mark.parametrize("unbiased_gradient", [False, True])
 def test_values_and_gradients_equal_the_real_openrlhfs(unbiased_gradient):
-    real = real_function("openrlhf.models.utils", "compute_approx_kl")
+    real = real_function("openrlhf.models.utils", "compute_approx_kl", file_only=True)
     lp, lr = log_probs((6, 40), seed=17, dtype=torch.float32)
     lo, _ = log_probs((6, 40), seed=18, dtype=torch.float32)
-    for estimator in ESTIMATORS:
+    # with the rollout log-probs (9 of the 240 weights pi / pi_old past the clip at 10),
+    # and without them (weight 1)
+    for estimator, old in itertools.product(ESTIMATORS, (lo, None)):
         a, b = two_leaves(lp)
-        ours = openrlhf.compute_approx_kl(a, lr, lo, estimator, unbiased_gradient)
-        theirs = real(b, lr, lo, kl_estimator=estimator, unbiased_gradient=unbiased_gradient)
+        ours = openrlhf.compute_approx_kl(a, lr, old, estimator, unbiased_gradient)
+        theirs = real(b, lr, old, kl_estimator=estimator, unbiased_gradient=unbiased_gradient)
         # OpenRLHF rounds at the scale of its terms: e^{-x} and, straight-through, w delta^2 / 2.
         delta = (lp - lr).double()
         scale = 1 + delta.abs() + (-delta.clamp(min=-10)).exp() + 10 * delta**2
@@ -288,3 +296,47 @@ def test_values_and_gradients_equal_the_real_openrlhfs(unbiased_gradient):
         ours.sum().backward()
         theirs.sum().backward()
         assert_verbose_close(a.grad, b.grad, atol=tol, what=f"{estimator} gradient")
+
+
+def _calls_of(tree: ast.Module, name: str) -> list[ast.Call]:
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == name
+    ]
+
+
+def test_install_reaches_the_real_openrlhfs_actor_call(fake_openrlhf):
+    """What ``install()`` relies on, read from the real OpenRLHF's actor
+    (``openrlhf.trainer.ray.ppo_actor``, which imports vLLM and flash-attn, so it is parsed
+    here, not imported): the module binds ``compute_approx_kl`` once, from
+    ``openrlhf.models.utils``, never rebinds it, and calls it by that global name, so the name
+    that ``install()`` rebinds (the stand-in above has the same module name) is the one the loss
+    calls; each call's arguments bind to the replacement's signature, the rollout log-probs
+    among them (klest's importance weights); and the real function's name and parameters are
+    the ones the replacement takes."""
+    tree = real_source("openrlhf.trainer.ray.ppo_actor")
+    name = "compute_approx_kl"
+    imported = [
+        (node.module, alias.name, alias.asname)
+        for node in tree.body
+        if isinstance(node, ast.ImportFrom)
+        for alias in node.names
+        if alias.name == name
+    ]
+    assert imported == [("openrlhf.models.utils", name, None)]
+    uses = [n for n in ast.walk(tree) if isinstance(n, ast.Name) and n.id == name]
+    assert all(isinstance(n.ctx, ast.Load) for n in uses)  # never assigned in the module
+    calls = _calls_of(tree, name)
+    assert calls and len(calls) == len(uses)  # every use is a call by the global name
+    with openrlhf.install(grad="cumulative") as installed:
+        assert fake_openrlhf.compute_approx_kl is installed.replacement
+        replacement = inspect.signature(installed.replacement)
+    real = inspect.signature(real_function("openrlhf.models.utils", name, file_only=True))
+    assert list(real.parameters) == list(replacement.parameters)
+    for call in calls:
+        assert not any(isinstance(a, ast.Starred) for a in call.args)
+        keywords = [k.arg for k in call.keywords]
+        assert None not in keywords  # no **kwargs
+        replacement.bind(*call.args, **dict.fromkeys(keywords))
+        assert "log_probs_old" in keywords

@@ -4,8 +4,9 @@ Values are compared with verl's formulas as written here from verl 0.9.1's math 
 its clips); ``grad="peer"`` gradients with autograd of those formulas; klest's gradients with
 autograd of the surrogates of ``tests/integrations/_peer_reference.py``; ``"full"`` with the
 float64 reference of ``tests/_reference.py``; agg_loss with ``reduce_reference`` and the modes'
-formulas. Comparisons with the real verl run only where verl imports (it needs Ray), and skip
-otherwise.
+formulas. The last tests compare with the real verl (``requirements/peers.txt``, which ``make
+test`` installs): its ``kl_penalty`` and ``agg_loss``, and its actor loss ``ppo_loss`` run with
+klest installed into it; without verl they skip (``make test`` makes them fail instead).
 
 Statistical tests (``tests/_stats.py``), on the "tabular" testbed with exact gradients by
 enumeration: the z statistic of ``klest.audit.mean_shift_z`` (about N(0, 1) under the null,
@@ -33,6 +34,7 @@ from tests.integrations._peer_reference import (
     flat_grad,
     rb_surrogate_reference,
     real_function,
+    real_module,
     stand_in_module,
     surrogate_reference,
     two_leaves,
@@ -554,12 +556,90 @@ def test_agg_loss_equals_the_real_verls():
             assert abs(float(ours) - float(theirs)) <= 1e-7 * abs(float(theirs)), mode
 
 
-def test_install_into_the_real_verl():
-    losses = pytest.importorskip("verl.workers.utils.losses", reason="verl needs Ray")
+def test_what_klest_says_the_real_verl_does_where_it_differs():
+    """The differences the docstrings state: verl 0.9.1 names ``"full"`` but raises
+    ``NotImplementedError`` (as for unknown names; klest: ``ValueError``), and its ``agg_loss``
+    of a batch with no valid token is 0 / 0 = NaN (klest: 0)."""
+    real_kl = real_function("verl.trainer.ppo.core_algos", "kl_penalty")
+    real_agg = real_function("verl.trainer.ppo.core_algos", "agg_loss")
+    lp, lr = log_probs((3, 4), seed=40)
+    for name in ("full", "kl3"):
+        with pytest.raises(NotImplementedError):
+            real_kl(lp, lr, name)
+    empty = torch.zeros(3, 4, dtype=torch.bool)
+    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
+        assert bool(torch.isnan(real_agg(lp, empty, mode)))
+        assert float(verl.agg_loss(lp, empty, mode)) == 0.0
+
+
+def _real_ppo_loss_and_gradient(losses, logp, logp_ref, mask, prompt_len=3):
+    """verl's actor loss (``losses.ppo_loss``, the real one) on one micro-batch in the layout its
+    ``no_padding_2_padding`` reads: the model's log-probs flat over prompt and response tokens,
+    shifted by one, with a KL loss (low_var_kl, coefficient 1, seq-mean-token-sum) and zero
+    advantages (no policy-gradient term). The loss and its gradient in ``logp`` ``[B, R]``."""
+    from verl.utils import tensordict_utils
+    from verl.workers.config import ActorConfig
+
+    config = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1,
+                         use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=1.0,
+                         loss_agg_mode="seq-mean-token-sum")  # fmt: skip
+    b_rows, r_len = logp.shape
+    lengths = mask.sum(-1)
+    flat = torch.cat(
+        [
+            torch.cat([logp.new_zeros(prompt_len - 1), logp[i, : int(n)], logp.new_zeros(1)])
+            for i, n in enumerate(lengths)
+        ]
+    )
+    data = tensordict_utils.get_tensordict(
+        {
+            "prompts": torch.ones(b_rows, prompt_len, dtype=torch.long),
+            "responses": torch.ones(b_rows, r_len, dtype=torch.long),
+            "attention_mask": torch.cat([torch.ones(b_rows, prompt_len), mask.double()], -1).long(),
+            "response_mask": mask.long(),
+            "old_log_probs": logp.detach(),
+            "advantages": torch.zeros_like(logp.detach()),
+            "ref_log_prob": logp_ref,
+        },
+        {"dp_size": 1, "batch_num_tokens": None, "global_batch_size": None},
+    )
+    loss, _ = losses.ppo_loss(config, {"log_probs": flat}, data)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.detach(), grad
+
+
+def test_install_reaches_the_real_verls_actor_loss():
+    """``install()`` into the real verl: its actor loss (``ppo_loss``) keeps verl's KL value and
+    takes klest's gradient, the cumulative surrogate's, through verl's own aggregation; before
+    and after, verl's k3 gradient. verl's padding holds log-probs 0 under both models."""
+    losses = real_module("verl.workers.utils.losses")
+    lp, lr = log_probs((5, 6), seed=38)
+    mask = row_mask((5, 6), seed=39)
+    mask[-1, 0] = True  # no empty row: verl's layout needs a token per sequence
+    lp, lr = torch.where(mask, lp, 0.0), torch.where(mask, lr, 0.0)
+    n_rows = int(mask.any(-1).sum())
     original = losses.kl_penalty
-    with verl.install():
-        assert losses.kl_penalty is not original
+
+    def verls(x):
+        return torch.where(mask, verl_formula(x - lr, "k3"), 0.0).sum() / n_rows
+
+    def leaf(x):
+        return x.clone().requires_grad_(True)
+
+    want = {"klest": leaf(lp), "verl": leaf(lp)}
+    (surrogate_reference(want["klest"], lr, mask, "cumulative").sum() / n_rows).backward()
+    verls(want["verl"]).backward()
+    got = {}
+    with verl.install(grad="cumulative") as installed:
+        assert losses.kl_penalty is installed.replacement
+        value, got["klest"] = _real_ppo_loss_and_gradient(losses, leaf(lp), lr, mask)
+        assert_verbose_close(value, verls(lp), atol=1e-15, rtol=1e-13, what="value")
     assert losses.kl_penalty is original
+    _, got["verl"] = _real_ppo_loss_and_gradient(losses, leaf(lp), lr, mask)
+    for whose in ("klest", "verl"):
+        assert_verbose_close(got[whose], want[whose].grad, atol=1e-15, rtol=1e-12, what=whose)
+    # the two gradients differ by far more than the tolerance: the check tells them apart
+    assert float((want["klest"].grad - want["verl"].grad).abs().max()) > 1e-2
 
 
 def test_full_with_ignored_labels_and_no_mask_drops_those_positions():
