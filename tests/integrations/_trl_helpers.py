@@ -4,6 +4,9 @@ to TRL's loss next to klest's term computed from an independent forward pass."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import datasets
 import torch
 from trl import GRPOConfig
@@ -82,13 +85,14 @@ def perturbed(trainer, seed: int = 0):
     return trainer
 
 
-def record_batches(trainer) -> list[dict]:
-    """Wrap the trainer's loss so the micro-batches it trains on are kept."""
-    seen: list[dict] = []
+def record_batches(trainer, keep: Callable[[dict], Any] = lambda batch: batch) -> list:
+    """Wrap the trainer's loss so the micro-batches it trains on are kept (``keep(batch)`` of
+    each, taken as the loss is called)."""
+    seen: list = []
     inner = trainer._compute_loss
 
     def recording(*args):
-        seen.append(dict(args[-1]) if len(args) == 2 else dict(args[1]))
+        seen.append(keep(dict(args[-1]) if len(args) == 2 else dict(args[1])))
         return inner(*args)
 
     trainer._compute_loss = recording
