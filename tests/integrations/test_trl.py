@@ -370,13 +370,6 @@ def test_sampling_other_than_softmax_over_temperature_is_named(tiny_lm, tmp_path
         _distillation_trainer(tiny_lm, tmp_path, sequence_level=True)
 
 
-def test_grpo_with_beta_zero_builds_without_a_reference_model(tiny_lm, tmp_path):
-    """beta = 0: TRL loads no reference model, and klest's KL term is off (nothing to refuse)."""
-    args = GRPOConfig(num_generations=2, **{**common_args(tmp_path), "beta": 0.0})
-    trainer = grpo(tiny_lm, args)
-    assert trainer.ref_model is None and trainer.beta == 0.0
-
-
 def test_distillation_refuses_heads_whose_logits_are_scaled_or_soft_capped():
     """The fused distillation loss reads the output layer's weight: a config that scales the
     logits (any factor but 1, including 0) or soft-caps them is refused by name; factor 1 (or

@@ -137,48 +137,7 @@ _REUSED = {"reuses_samples": True}
 _EVALUATED = {"eval_strategy": "steps", "eval_steps": 1, "per_device_eval_batch_size": 4}
 _BF16_MODEL = {"model_init_kwargs": {"dtype": "bfloat16"}}
 
-GRPO_SETTINGS = [
-    # loss_type="grpo" and "dapo", num_iterations=2, mask_truncated_completions,
-    # use_bias_correction_kl=False, evaluation and beta=0 are trained in test_trl.py.
-    *[_case(loss_type=t) for t in ("dr_grpo", "bnpo", "cispo", "sapo", "vespo")],
-    _case(loss_type="luspo", importance_sampling_level="sequence"),
-    _case(importance_sampling_level="sequence", loss_type="grpo"),
-    _case(epsilon=0.1, epsilon_high=0.28, delta=1.5, num_iterations=2, **_REUSED),
-    _case(off_policy_mask_threshold=0.5, num_iterations=2, **_REUSED),
-    _case(top_entropy_quantile=0.2),
-    _case(entropy_coef=0.01),
-    _case(scale_rewards="none"),
-    _case(scale_rewards="batch"),
-    _case(steps_per_generation=4, **_REUSED),
-    _case(generation_batch_size=16, **_REUSED),
-    _case(gradient_accumulation_steps=4, steps_per_generation=2),
-    _case(gradient_accumulation_steps=1, num_iterations=2, **_REUSED),
-    _case(num_generations=3, per_device_train_batch_size=3, gradient_accumulation_steps=3),
-    _case(num_generations=4, per_device_train_batch_size=2),
-    _case(per_device_train_batch_size=1),
-    _case(num_generations_eval=1, **_EVALUATED),
-    _case(num_iterations=2, **_EVALUATED, **_REUSED),
-    _case(max_completion_length=1),
-    _case(max_completion_length=1, mask_truncated_completions=True),
-    _case(padding_side="right"),
-    _case(pad_to_multiple_of=8),
-    _case(beta=1.0),
-    _case(temperature=0.7),
-    _case(top_k=5, warns="top_k=5"),
-    _case(min_p=0.1, warns="min_p=0.1"),
-    _case(generation_kwargs={"typical_p": 0.9}, warns=r"generation_kwargs['typical_p']=0.9"),
-    _case(bf16=True),
-    _case(**_BF16_MODEL),
-    _case(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5),
-    _case(disable_dropout=False),
-    _case(cast_lm_head_to_fp32=True),
-    _case(gradient_checkpointing=True),
-]
-
-RLOO_SETTINGS = [
-    # num_iterations=2, mask_truncated_completions and evaluation are trained in test_trl.py.
-    _case(normalize_advantages=True, reward_clip_range=(-1.0, 1.0)),
-    _case(epsilon=0.1, epsilon_high=0.28, num_iterations=2, **_REUSED),
+_RL_SETTINGS = [  # options that GRPO and RLOO share
     _case(steps_per_generation=4, **_REUSED),
     _case(generation_batch_size=16, **_REUSED),
     _case(gradient_accumulation_steps=1, num_iterations=2, **_REUSED),
@@ -194,12 +153,45 @@ RLOO_SETTINGS = [
     _case(beta=0.0),
     _case(beta=1.0),
     _case(temperature=0.7),
-    _case(top_p=0.9, repetition_penalty=1.2, warns="top_p=0.9, repetition_penalty=1.2"),
     _case(bf16=True),
     _case(**_BF16_MODEL),
     _case(sync_ref_model=True, ref_model_sync_steps=1, ref_model_mixup_alpha=0.5),
     _case(disable_dropout=False),
     _case(gradient_checkpointing=True),
+]
+
+GRPO_SETTINGS = [
+    # loss_type="grpo" and "dapo", num_iterations=2, mask_truncated_completions,
+    # use_bias_correction_kl=False and evaluation are trained in test_trl.py.
+    *[_case(loss_type=t) for t in ("dr_grpo", "bnpo", "cispo", "sapo", "vespo")],
+    _case(loss_type="luspo", importance_sampling_level="sequence"),
+    _case(importance_sampling_level="sequence", loss_type="grpo"),
+    _case(epsilon=0.1, epsilon_high=0.28, delta=1.5, num_iterations=2, **_REUSED),
+    _case(off_policy_mask_threshold=0.5, num_iterations=2, **_REUSED),
+    _case(top_entropy_quantile=0.2),
+    _case(entropy_coef=0.01),
+    _case(scale_rewards="none"),
+    _case(scale_rewards="batch"),
+    _case(gradient_accumulation_steps=4, steps_per_generation=2),
+    _case(top_k=5, warns="top_k=5"),
+    _case(min_p=0.1, warns="min_p=0.1"),
+    _case(generation_kwargs={"typical_p": 0.9}, warns="generation_kwargs['typical_p']=0.9"),
+    _case(cast_lm_head_to_fp32=True),
+    *_RL_SETTINGS,
+]
+
+RLOO_SETTINGS = [
+    # num_iterations=2, mask_truncated_completions and evaluation are trained in test_trl.py.
+    _case(normalize_advantages=True, reward_clip_range=(-1.0, 1.0)),
+    _case(epsilon=0.1, epsilon_high=0.28, num_iterations=2, **_REUSED),
+    _case(top_p=0.9, repetition_penalty=1.2, warns="top_p=0.9, repetition_penalty=1.2"),
+    _case(
+        top_k=5,
+        min_p=0.1,
+        generation_kwargs={"typical_p": 0.9},
+        warns="top_k=5, min_p=0.1, generation_kwargs['typical_p']=0.9",
+    ),
+    *_RL_SETTINGS,
 ]
 
 DISTILLATION_SETTINGS = [
