@@ -15,171 +15,40 @@ import torch
 import klest
 
 pytest.importorskip("trl", reason="the klest[trl] extra (installed by make test)")
-datasets = pytest.importorskip("datasets")
+pytest.importorskip("datasets")
 
-from trl import DistillationConfig, GRPOConfig, RLOOConfig  # noqa: E402
+from trl import DistillationConfig, GRPOConfig, RLOOConfig
 
-from klest.integrations.hf import tiny_causal_lm, word_tokenizer  # noqa: E402
-from klest.integrations.trl import (  # noqa: E402
+from klest.integrations.trl import (
     DistillationTrainer,
-    GRPOTrainer,
     KLTerm,
     RLOOTrainer,
 )
-
-BETA = 0.1
-ACCUMULATION = 2
-
-
-LETTERS = [chr(ord("a") + i) for i in range(13)]
-
-
-def tokenizer():
-    return word_tokenizer(LETTERS)
-
-
-def save_tiny_lm(folder, *, seed: int) -> str:
-    """A one-layer Llama and its tokenizer, saved where TRL can load them (and their copy)."""
-    model = tiny_causal_lm(
-        vocab_size=len(LETTERS) + 3, hidden_size=16, num_layers=1, num_heads=2, seed=seed
-    )
-    model.save_pretrained(folder)
-    tokenizer().save_pretrained(folder)
-    return str(folder)
+from tests.integrations._trl_helpers import (
+    ACCUMULATION,
+    BETA,
+    assert_grads_close,
+    common_args,
+    completion_logits,
+    completion_logps,
+    exact_distillation_kls,
+    expected_term,
+    groups_by_hand,
+    grpo,
+    kl_added_to_the_loss,
+    perturbed,
+    prompts,
+    record_batches,
+    save_tiny_lm,
+    sequence_level_by_hand,
+    tokenizer,
+    trainable,
+)
 
 
 @pytest.fixture(scope="module")
 def tiny_lm(tmp_path_factory):
     return save_tiny_lm(tmp_path_factory.mktemp("policy"), seed=0)
-
-
-def _prompts():
-    return datasets.Dataset.from_dict({"prompt": ["a b", "c d e", "f", "g h"] * 4})
-
-
-def _reward(completions, **_):
-    return [c.count("a") / 6 for c in completions]
-
-
-def _common_args(tmp_path) -> dict:
-    return dict(
-        output_dir=str(tmp_path),
-        per_device_train_batch_size=4,
-        max_completion_length=6,
-        gradient_accumulation_steps=ACCUMULATION,
-        max_steps=2,
-        beta=BETA,
-        report_to="none",
-        use_cpu=True,
-        logging_steps=1,
-        save_strategy="no",
-        learning_rate=1e-2,
-        seed=0,
-        # TRL defaults to bf16 autocast; the reference forward passes here are float32.
-        bf16=False,
-    )
-
-
-def _grpo(tiny_lm, args, **kwargs):
-    """klest's GRPOTrainer on the tiny model, the prompts and the reward of these tests (and
-    ``eval_dataset`` or ``kl`` from ``kwargs``)."""
-    return GRPOTrainer(
-        model=tiny_lm,
-        reward_funcs=_reward,
-        args=args,
-        train_dataset=_prompts(),
-        processing_class=tokenizer(),
-        **kwargs,
-    )
-
-
-def _record_batches(trainer) -> list[dict]:
-    """Wrap the trainer's loss so the micro-batches it trains on are kept."""
-    seen: list[dict] = []
-    inner = trainer._compute_loss
-
-    def recording(*args):
-        seen.append(dict(args[-1]) if len(args) == 2 else dict(args[1]))
-        return inner(*args)
-
-    trainer._compute_loss = recording
-    return seen
-
-
-def _completion_logits(model, batch) -> torch.Tensor:
-    """The logits that produced each completion token (column t - 1 predicts column t), from
-    one plain forward pass over prompt + completion."""
-    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], dim=1)
-    attention = torch.cat([batch["prompt_mask"], batch["completion_mask"]], dim=1)
-    n = batch["completion_ids"].shape[1]
-    return model(input_ids=ids, attention_mask=attention).logits[:, -n - 1 : -1]
-
-
-def _completion_logps(model, batch) -> torch.Tensor:
-    """log pi(y_t | y_<t) of the completion tokens (temperature 1, TRL's default)."""
-    logits = _completion_logits(model, batch)
-    return logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0]
-
-
-def _groups_by_hand(batch) -> torch.Tensor:
-    ids: dict[tuple, int] = {}
-    rows = [
-        tuple(t for t, m in zip(p.tolist(), mk.tolist(), strict=True) if m)
-        for p, mk in zip(batch["prompt_ids"], batch["prompt_mask"], strict=True)
-    ]
-    return torch.tensor([ids.setdefault(r, len(ids)) for r in rows])
-
-
-def _kl_added_to_the_loss(trainer, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """The trainer's loss minus TRL's own with beta = 0, and that difference's gradient."""
-    model = trainer.model
-    params = [p for p in model.parameters() if p.requires_grad]
-    full = trainer._compute_loss(model, batch)
-    beta, trainer.beta = trainer.beta, 0.0
-    try:
-        policy_only = trainer._compute_loss(model, batch)
-    finally:
-        trainer.beta = beta
-    added = full - policy_only
-    return added.detach(), list(torch.autograd.grad(added, params, allow_unused=True))
-
-
-_FROM_THE_BATCH = object()
-
-
-def _expected_term(trainer, batch, kl: KLTerm, scale: float, logp_behavior=_FROM_THE_BATCH):
-    """beta * scale * klest's term on an independent forward pass; the samples' behavior
-    log-probs are TRL's own (``old_per_token_logps``) unless given."""
-    if logp_behavior is _FROM_THE_BATCH:
-        logp_behavior = batch.get("old_per_token_logps")
-    model = trainer.model
-    params = [p for p in model.parameters() if p.requires_grad]
-    logp = _completion_logps(model, batch)
-    term = (
-        BETA
-        * scale
-        * klest.kl_penalty(
-            logp,
-            batch["ref_per_token_logps"],
-            mask=batch["completion_mask"].bool(),
-            estimator=kl.estimator,
-            grad=kl.grad,
-            baseline=kl.baseline,
-            group=_groups_by_hand(batch),
-            direction=kl.direction,
-            reduction=kl.reduction,
-            logp_behavior=logp_behavior,
-        )
-    )
-    return term.detach(), list(torch.autograd.grad(term, params, allow_unused=True))
-
-
-def _assert_grads_close(got, expected):
-    for g, e in zip(got, expected, strict=True):
-        if e is None:
-            assert g is None or torch.count_nonzero(g) == 0
-        else:
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.parametrize(("num_iterations", "loss_type"), [(1, "dapo"), (2, "dapo"), (1, "grpo")])
@@ -196,11 +65,11 @@ def test_grpo_trains_with_klests_kl_term_and_it_is_what_the_loss_adds(
         num_iterations=num_iterations,
         loss_type=loss_type,
         mask_truncated_completions=True,
-        **_common_args(tmp_path),
+        **common_args(tmp_path),
     )
-    trainer = _grpo(tiny_lm, args, kl=kl)
-    _perturbed(trainer)
-    seen = _record_batches(trainer)
+    trainer = grpo(tiny_lm, args, kl=kl)
+    perturbed(trainer)
+    seen = record_batches(trainer)
     trainer.train()
     assert len(seen) == 2 * ACCUMULATION
     logged = [h["kl"] for h in trainer.state.log_history if "kl" in h]
@@ -209,29 +78,29 @@ def test_grpo_trains_with_klests_kl_term_and_it_is_what_the_loss_adds(
     trainer.model.train()
     batch = seen[-1]
     assert ("old_per_token_logps" in batch) == (num_iterations > 1)
-    got, got_grads = _kl_added_to_the_loss(trainer, batch)
-    expected, expected_grads = _expected_term(
+    got, got_grads = kl_added_to_the_loss(trainer, batch)
+    expected, expected_grads = expected_term(
         trainer, batch, kl, scale=1 / trainer.current_gradient_accumulation_steps
     )
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
-    _assert_grads_close(got_grads, expected_grads)
+    assert_grads_close(got_grads, expected_grads)
     # beta = 1 is no special case: the term scales with beta (klest's, not TRL's, at any beta).
     trainer.beta = 1.0
     try:
-        got_1, got_grads_1 = _kl_added_to_the_loss(trainer, batch)
+        got_1, got_grads_1 = kl_added_to_the_loss(trainer, batch)
     finally:
         trainer.beta = BETA
     torch.testing.assert_close(got_1, expected / BETA, rtol=1e-5, atol=1e-6)
-    _assert_grads_close(got_grads_1, [None if e is None else e / BETA for e in expected_grads])
+    assert_grads_close(got_grads_1, [None if e is None else e / BETA for e in expected_grads])
 
     # ... and it is not TRL's own term (k3 differentiated as a per-token loss).
     model = trainer.model
-    logp = _completion_logps(model, batch)
+    logp = completion_logps(model, batch)
     mask = batch["completion_mask"].bool()
     log_r = batch["ref_per_token_logps"] - logp
     trl_k3 = torch.where(mask, log_r.exp() - log_r - 1, 0.0)
     trl_term = BETA * (trl_k3.sum(-1) / mask.sum(-1).clamp(min=1)).mean() / ACCUMULATION
-    params = [p for p in model.parameters() if p.requires_grad]
+    params = trainable(model)
     trl_grads = torch.autograd.grad(trl_term, params, allow_unused=True)
     size = sum(float(g.abs().sum()) for g in got_grads if g is not None)
     diff = sum(
@@ -259,22 +128,22 @@ def test_kl_term_can_reproduce_trls_own_loss_value_and_gradient(
         num_generations=2,
         loss_type="grpo",
         use_bias_correction_kl=bias_correction,
-        **_common_args(tmp_path),
+        **common_args(tmp_path),
     )
-    ours = _perturbed(_grpo(tiny_lm, args, kl=kl))
-    seen = _record_batches(ours)
+    ours = perturbed(grpo(tiny_lm, args, kl=kl))
+    seen = record_batches(ours)
     with pytest.warns(klest.KLGradientWarning):
         ours.train()
     ours.model.train()
     batch = seen[-1]
     from trl import GRPOTrainer as TRLGRPOTrainer
 
-    params = [p for p in ours.model.parameters() if p.requires_grad]
+    params = trainable(ours.model)
     with pytest.warns(klest.KLGradientWarning):
         got = ours._compute_loss(ours.model, batch)
     theirs = TRLGRPOTrainer._compute_loss(ours, ours.model, batch)
     torch.testing.assert_close(got, theirs, rtol=1e-5, atol=1e-7)
-    _assert_grads_close(
+    assert_grads_close(
         torch.autograd.grad(got, params, allow_unused=True),
         torch.autograd.grad(theirs, params, allow_unused=True),
     )
@@ -284,24 +153,15 @@ def _zero_reward(completions, **_):
     return [0.0 for _ in completions]
 
 
-def _perturbed(trainer, seed: int = 0):
-    """Move the policy away from the reference, so the KL and its gradient are not zero."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in trainer.model.parameters():
-            p.add_(0.3 * torch.randn(p.shape, generator=g, dtype=p.dtype))
-    return trainer
-
-
 def _rloo(cls, tiny_lm, tmp_path, config: dict | None = None, **kwargs):
     settings = {"num_generations": 2, "mask_truncated_completions": True, **(config or {})}
-    args = RLOOConfig(**settings, **_common_args(tmp_path))
-    return _perturbed(
+    args = RLOOConfig(**settings, **common_args(tmp_path))
+    return perturbed(
         cls(
             model=tiny_lm,
             reward_funcs=_zero_reward,
             args=args,
-            train_dataset=_prompts(),
+            train_dataset=prompts(),
             processing_class=tokenizer(),
             **kwargs,
         )
@@ -315,7 +175,7 @@ def _logps_with_parameters(model, batch, parameters: dict) -> torch.Tensor:
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(parameters[n])
-            return _completion_logps(model, batch)
+            return completion_logps(model, batch)
     finally:
         with torch.no_grad():
             for n, p in model.named_parameters():
@@ -331,7 +191,7 @@ def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path, num_
     config = {"num_iterations": num_iterations}
     trainer = _rloo(RLOOTrainer, tiny_lm, tmp_path, config=config, kl=kl)
     sampler = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    seen = _record_batches(trainer)
+    seen = record_batches(trainer)
     trainer.train()
     assert len(seen) == 2 * ACCUMULATION
     assert trainer.beta == BETA  # restored after each scoring step
@@ -339,13 +199,13 @@ def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path, num_
     assert all(torch.count_nonzero(b["advantages"]) == 0 for b in seen)
     batch = seen[-1]
     trainer.model.train()
-    got, got_grads = _kl_added_to_the_loss(trainer, batch)
+    got, got_grads = kl_added_to_the_loss(trainer, batch)
     assert ("old_per_token_logps" in batch) == (num_iterations > 1)
     behavior = _logps_with_parameters(trainer.model, batch, sampler) if num_iterations > 1 else None
-    expected, expected_grads = _expected_term(trainer, batch, kl, scale=1.0, logp_behavior=behavior)
+    expected, expected_grads = expected_term(trainer, batch, kl, scale=1.0, logp_behavior=behavior)
     assert float(expected) > 0.0
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
-    _assert_grads_close(got_grads, expected_grads)
+    assert_grads_close(got_grads, expected_grads)
 
 
 @pytest.mark.parametrize("trainer_class", ["GRPOTrainer", "RLOOTrainer"])
@@ -357,14 +217,14 @@ def test_evaluation_adds_the_kl_term_without_gradient_accumulation_scaling(
     kl = KLTerm()
     evaluation = {"per_device_eval_batch_size": 4}
     if trainer_class == "GRPOTrainer":
-        args = GRPOConfig(num_generations=2, **evaluation, **_common_args(tmp_path))
-        trainer = _perturbed(_grpo(tiny_lm, args, kl=kl, eval_dataset=_prompts()))
+        args = GRPOConfig(num_generations=2, **evaluation, **common_args(tmp_path))
+        trainer = perturbed(grpo(tiny_lm, args, kl=kl, eval_dataset=prompts()))
     else:
         trainer = _rloo(RLOOTrainer, tiny_lm, tmp_path, config=evaluation, kl=kl)
-        trainer.eval_dataset = _prompts()
-    seen = _record_batches(trainer)
+        trainer.eval_dataset = prompts()
+    seen = record_batches(trainer)
     metrics = trainer.evaluate()
-    assert len(seen) == 2 * len(_prompts()) // 4  # num_generations=2 per prompt, 4 per batch
+    assert len(seen) == 2 * len(prompts()) // 4  # num_generations=2 per prompt, 4 per batch
     assert torch.isfinite(torch.tensor([metrics["eval_loss"], metrics["eval_kl"]])).all()
     assert metrics["eval_kl"] > 0.0  # k3, with the policy moved away from the reference
 
@@ -378,12 +238,12 @@ def test_evaluation_adds_the_kl_term_without_gradient_accumulation_scaling(
         finally:
             trainer.beta = beta
         expected = BETA * klest.kl_penalty(
-            _completion_logps(trainer.model, batch),
+            completion_logps(trainer.model, batch),
             batch["ref_per_token_logps"],
             mask=batch["completion_mask"].bool(),
             estimator=kl.estimator,
             baseline=kl.baseline,
-            group=_groups_by_hand(batch),
+            group=groups_by_hand(batch),
         )
     torch.testing.assert_close(full - policy_only, expected, rtol=1e-5, atol=1e-7)
 
@@ -393,14 +253,14 @@ def test_trls_own_rloo_puts_the_kl_in_the_reward(tiny_lm, tmp_path):
     from trl import RLOOTrainer as TRLRLOOTrainer
 
     trainer = _rloo(TRLRLOOTrainer, tiny_lm, tmp_path)
-    seen = _record_batches(trainer)
+    seen = record_batches(trainer)
     trainer.train()
     assert any(torch.count_nonzero(b["advantages"]) > 0 for b in seen)
 
 
 def _distillation_trainer(tiny_lm, tmp_path, config: dict | None = None, **kwargs):
     teacher = save_tiny_lm(tmp_path / "teacher", seed=1)
-    common = _common_args(tmp_path)
+    common = common_args(tmp_path)
     beta = kwargs.pop("beta", 1.0)
     common.update(beta=beta, **(config or {}))
     args = DistillationConfig(**common)
@@ -408,7 +268,7 @@ def _distillation_trainer(tiny_lm, tmp_path, config: dict | None = None, **kwarg
         model=tiny_lm,
         teacher_model=teacher,
         args=args,
-        train_dataset=_prompts(),
+        train_dataset=prompts(),
         processing_class=tokenizer(),
         **kwargs,
     )
@@ -417,55 +277,37 @@ def _distillation_trainer(tiny_lm, tmp_path, config: dict | None = None, **kwarg
 def _distillation_step(tiny_lm, tmp_path, **kwargs):
     """Train a few steps; on the last batch, the trainer's loss and both models' logits."""
     trainer = _distillation_trainer(tiny_lm, tmp_path, **kwargs)
-    seen = _record_batches(trainer)
+    seen = record_batches(trainer)
     trainer.train()
     batch = seen[-1]
     student = trainer.model
     out = trainer._compute_loss(student, batch, None)
-    logits = _completion_logits(student, batch)
+    logits = completion_logits(student, batch)
     with torch.no_grad():
-        logits_t = _completion_logits(trainer.teacher_model, batch)
+        logits_t = completion_logits(trainer.teacher_model, batch)
     return student, batch, out, logits, logits_t
 
 
 def _assert_same_gradients(loss, expected, model):
-    params = [p for p in model.parameters() if p.requires_grad]
-    _assert_grads_close(
+    params = trainable(model)
+    assert_grads_close(
         torch.autograd.grad(loss, params, allow_unused=True),
         torch.autograd.grad(expected, params, allow_unused=True),
     )
 
 
-@pytest.mark.parametrize("beta", [1.0, 0.0])
-def test_distillation_loss_is_the_exact_kl_from_materialized_logits(tiny_lm, tmp_path, beta):
+@pytest.mark.parametrize("beta", [1.0, 0.0, 0.3])
+def test_distillation_loss_is_the_exact_divergence_from_materialized_logits(
+    tiny_lm, tmp_path, beta
+):
+    """beta = 1: KL(student || teacher); 0: KL(teacher || student); in between TRL's generalized
+    JSD with mixture beta teacher + (1 - beta) student (TRL's own function gives the same value,
+    checked in tests/logits/test_jsd.py), each written out from the materialized logits."""
     student, batch, (loss, _, n_valid), logits, logits_t = _distillation_step(
         tiny_lm, tmp_path, beta=beta
     )
     mask = batch["completion_mask"].bool()
-    logq, logq_t = logits.log_softmax(-1), logits_t.log_softmax(-1)
-    if beta == 1.0:  # KL(student || teacher)
-        per_position = (logq.exp() * (logq - logq_t)).sum(-1)
-    else:  # KL(teacher || student)
-        per_position = (logq_t.exp() * (logq_t - logq)).sum(-1)
-    expected = torch.where(mask, per_position, 0.0).sum() / mask.sum().clamp(min=1)
-    assert int(n_valid) == int(mask.sum())
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
-    _assert_same_gradients(loss, expected, student)
-
-
-def test_distillation_loss_between_the_ends_is_the_generalized_jsd(tiny_lm, tmp_path):
-    """0 < beta < 1: TRL's generalized JSD with mixture beta teacher + (1 - beta) student,
-    written out here from the materialized logits (TRL's own function gives the same value,
-    checked in tests/logits/test_jsd.py)."""
-    beta = 0.3
-    student, batch, (loss, _, n_valid), logits, logits_t = _distillation_step(
-        tiny_lm, tmp_path, beta=beta
-    )
-    mask = batch["completion_mask"].bool()
-    q, p = logits.softmax(-1), logits_t.softmax(-1)
-    m = beta * p + (1 - beta) * q
-    per_position = beta * (p * (p.log() - m.log())).sum(-1)
-    per_position = per_position + (1 - beta) * (q * (q.log() - m.log())).sum(-1)
+    per_position = exact_distillation_kls(logits, logits_t, beta)
     expected = torch.where(mask, per_position, 0.0).sum() / mask.sum().clamp(min=1)
     assert int(n_valid) == int(mask.sum())
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
@@ -477,19 +319,12 @@ def test_distillation_sequence_level_adds_the_future_kl_score_term(tiny_lm, tmp_
         tiny_lm, tmp_path, sequence_level=True
     )
     mask = batch["completion_mask"].bool()
-    tokens = batch["completion_ids"]
-    logp = logits.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
-    logp_t = logits_t.log_softmax(-1).gather(-1, tokens[..., None])[..., 0]
+    logp = logits.log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0]
     # By hand: sum_t KL_t + sum_t log pi(y_t) * sg(sum_{s>t} KL_s), over the valid tokens.
-    logq, logq_t = logits.log_softmax(-1), logits_t.log_softmax(-1)
-    kl = torch.where(mask, (logq.exp() * (logq - logq_t)).sum(-1), 0.0)
-    future = kl.detach().flip(-1).cumsum(-1).flip(-1) - kl.detach()
-    surrogate = kl + torch.where(mask, logp, 0.0) * future
-    by_hand = surrogate - surrogate.detach() + kl.detach()
+    by_hand = sequence_level_by_hand(exact_distillation_kls(logits, logits_t, 1.0), logp, mask)
     expected = by_hand.sum() / mask.sum().clamp(min=1)
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
     _assert_same_gradients(loss, expected, student)
-    assert logp_t.shape == logp.shape
 
 
 def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
@@ -506,8 +341,8 @@ def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):
         with pytest.raises(ValueError, match="conditional expectation of vOPD"):
             _distillation_trainer(tiny_lm, tmp_path, beta=1.0, sequence_level=True, baseline=exact)
     with pytest.raises(TypeError, match="KLTerm"):
-        _grpo(
-            tiny_lm, GRPOConfig(num_generations=2, **_common_args(tmp_path)), kl={"estimator": "k3"}
+        grpo(
+            tiny_lm, GRPOConfig(num_generations=2, **common_args(tmp_path)), kl={"estimator": "k3"}
         )
     for beta in (0.0, 0.5):
         with pytest.raises(ValueError, match="sequence_level"):
@@ -526,20 +361,13 @@ def test_sampling_other_than_softmax_over_temperature_is_named(tiny_lm, tmp_path
     _distillation_trainer(tiny_lm, tmp_path, config={"top_k": 5})  # per-token loss: exact KLs
     with pytest.warns(klest.KLGradientWarning, match=r"top_p=0\.9, repetition_penalty=1\.2"):
         config = GRPOConfig(
-            num_generations=2, top_p=0.9, repetition_penalty=1.2, **_common_args(tmp_path)
+            num_generations=2, top_p=0.9, repetition_penalty=1.2, **common_args(tmp_path)
         )
-        _grpo(tiny_lm, config)
+        grpo(tiny_lm, config)
     with warnings.catch_warnings():
         warnings.simplefilter("error", klest.KLGradientWarning)
-        _grpo(tiny_lm, GRPOConfig(num_generations=2, **_common_args(tmp_path)))
+        grpo(tiny_lm, GRPOConfig(num_generations=2, **common_args(tmp_path)))
         _distillation_trainer(tiny_lm, tmp_path, sequence_level=True)
-
-
-def test_grpo_with_beta_zero_builds_without_a_reference_model(tiny_lm, tmp_path):
-    """beta = 0: TRL loads no reference model, and klest's KL term is off (nothing to refuse)."""
-    args = GRPOConfig(num_generations=2, **{**_common_args(tmp_path), "beta": 0.0})
-    trainer = _grpo(tiny_lm, args)
-    assert trainer.ref_model is None and trainer.beta == 0.0
 
 
 def test_distillation_refuses_heads_whose_logits_are_scaled_or_soft_capped():
