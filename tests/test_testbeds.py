@@ -70,6 +70,17 @@ def test_gaussian_quadrature_expectation():
     assert float(tb.expectation(torch.exp)) == pytest.approx(math.exp(0.32 + 0.32), rel=1e-10)
     with pytest.raises(NotImplementedError, match="equal standard deviations"):
         gaussian().expectation(lambda d: d)
+    # Both means away from 0 and a standard deviation other than 1 (the settings above have
+    # ref or pi centred at 0): delta is normal with mean sum (m - m_r)^2 / (2 s^2) and variance
+    # twice that.
+    mean, mean_ref, log_std = [0.5, -0.3], [0.2, 0.4], [0.1, -0.2]
+    tb = GaussianTestbed(mean=mean, mean_ref=mean_ref, log_std=log_std, log_std_ref=log_std)
+    sq = sum(
+        (a - b) ** 2 / math.exp(2 * c) for a, b, c in zip(mean, mean_ref, log_std, strict=True)
+    )
+    m, s = tb.log_ratio_moments()
+    assert m == pytest.approx(sq / 2, rel=1e-14) and s == pytest.approx(math.sqrt(sq), rel=1e-14)
+    assert float(tb.expectation(lambda d: d)) == pytest.approx(sq / 2, rel=1e-12)
 
 
 # -- Categorical ------------------------------------------------------------------------------

@@ -122,6 +122,13 @@ def test_imports_without_triton():
         "    assert 'needs triton' in str(e), e\n"
         "else:\n"
         "    raise AssertionError('no error without triton')\n"
+        # No rows: nothing to launch, so no triton needed (the empty results, at once).
+        "from klest.logits._stats import Divergence\n"
+        "e, r = torch.zeros(0, 5), torch.zeros(0)\n"
+        "assert k.kl_logits_forward(e, e).lse_z.shape == (0,)\n"
+        "assert k.divergence_forward(e, e, r, r, Divergence('tv')).shape == (3, 0)\n"
+        "dz, dy = k.divergence_backward(e, e, r, r, r, r, r, Divergence('tv'), need_grad_y=True)\n"
+        "assert dz.shape == dy.shape == (0, 5)\n"
     )
     env = dict(os.environ, TRITON_INTERPRET="1")
     src = os.path.join(os.path.dirname(klest.__file__), os.pardir)
@@ -591,6 +598,18 @@ def test_bad_inputs():
         kl_logits_forward(z, z, temperature=0.0)
     with pytest.raises(ValueError, match="block_v must be a power of two"):
         kl_logits_forward(z, z, block_v=100)
+    for bad_block in (64.0, "64", True):  # not ints (a bool is one to Python)
+        with pytest.raises(ValueError, match="block_v must be a power of two"):
+            kl_logits_forward(z, z, block_v=bad_block)
+    n = z.shape[0]
+    for bad_rows in (
+        torch.zeros(n, dtype=torch.int64),  # the right shape, the wrong dtype
+        torch.zeros(n + 1, dtype=torch.int32),  # the right dtype, the wrong shape
+        torch.zeros(2 * n, dtype=torch.int32)[::2],  # not contiguous
+        [0] * n,  # not a tensor
+    ):
+        with pytest.raises(TypeError, match=r"careful_rows must be a contiguous int32 tensor"):
+            kl_logits_forward(z, z, careful_rows=bad_rows)
     stats = KLRowStats(*[torch.zeros(2)] * 7)
     with pytest.raises(ValueError, match=r"grad_entropy has shape \(3,\); expected \(2,\)"):
         kl_logits_backward(z, z, stats, grad_entropy=torch.zeros(3))
@@ -631,6 +650,21 @@ def test_rows_not_kept_are_not_read_and_get_zeros():
         kl_logits_forward(z, y, keep=keep.int())
     with pytest.raises(ValueError, match=r"keep must have shape \(6,\)"):
         kl_logits_forward(z, y, keep=keep[:5])
+
+
+@needs_triton
+def test_rows_not_kept_record_path_zero():
+    """With ``keep`` and ``careful_rows``, a row flagged False is not read and its loop is
+    recorded as 0 (its seven statistics are 0, a fast-loop row's); ordinary kept rows take the
+    fast loop (0) too."""
+    g = torch.Generator().manual_seed(22)
+    z, y = torch.randn(5, 70, generator=g), torch.randn(5, 70, generator=g)
+    keep = torch.tensor([True, False, False, True, False])
+    z[1], y[2] = float("nan"), float("inf")  # rows that would take the careful loop if read
+    z, y, keep = to_dev(z, y, keep)
+    careful = torch.full((5,), -1, dtype=torch.int32, device=DEV)
+    kl_logits_forward(z, y, keep=keep, careful_rows=careful)
+    assert careful.cpu().tolist() == [0, 0, 0, 0, 0]
 
 
 # ----------------------------------------------------------------------------- GPU compile

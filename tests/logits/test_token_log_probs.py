@@ -145,3 +145,6 @@ def test_bad_input():
     token_log_probs(bad, tokens, validate=False)  # no check, no error
     with pytest.raises(ValueError, match="V >= 1"):
         token_log_probs(torch.zeros(2, 0), torch.zeros(2, dtype=torch.long))
+    for bad_index in (True, -100.0, "-100"):  # a bool is an int to Python, not an id
+        with pytest.raises(TypeError, match="ignore_index must be an int"):
+            token_log_probs(z, tokens, ignore_index=bad_index)
