@@ -36,6 +36,8 @@ So the essay's 1e14 at D = 5000 is its inverted ratio (e^{3 m^2}); with Schulman
 variance at D = 5000 is ~8e3: still exploding, about 11 orders of magnitude less (6e14 against
 8e3). Monte Carlo with a few hundred trials underestimates heavy-tailed variances; both are
 shown.
+
+Full size: ``klest run chimera-variance`` 20 s on a busy 2-core machine.
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ Estimators (batches of 32, all via :func:`klest.audit_value`): k1, k3, and the c
 k1 + alpha (r - 1) with alpha fitted leave-one-out, cross-fitted, by EMA over batches, and
 in-sample (fitted on the samples it corrects, which biases the estimate). Exact KL(pi||ref) is
 analytic.
+
+Full size (``klest run control-variates``, 4000 batches per cell): 14 s on a busy 2-core machine.
 """
 
 from __future__ import annotations

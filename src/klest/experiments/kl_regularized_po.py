@@ -55,8 +55,8 @@ Full size: ``klest run kl-regularized-po``: ref of the STUDENT shape trained 600
 under ``runs/_models``, about 15 seconds); betas 0.01, 0.03, 0.1, 0.3 (final KL 1 to 4.5 nats);
 5 seeds; 150 Adam steps (learning rate 1e-3) of 16 prompts x K = 4 completions; held-out
 evaluation every 10 steps on 128 fresh prompts, 512 at the end; the gradient-noise study on 30
-batches at the end of seed 0's runs. About 10 to 14 minutes on a busy 2-core machine (ref
-cached). ``--quick`` (ref trained 300 steps in a temporary folder, betas 0 and 1, 2 seeds, 24
+batches at the end of seed 0's runs. 7 to 10 minutes on 2 CPU cores (404 s on a quiet machine;
+ref cached). ``--quick`` (ref trained 300 steps in a temporary folder, betas 0 and 1, 2 seeds, 24
 steps of 8 x 4 at learning rate 2e-3) takes about 20 to 30 seconds.
 """
 

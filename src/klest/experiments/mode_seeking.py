@@ -14,6 +14,8 @@ N(0.5, 0.5^2), between the modes. Three fits, all through :func:`klest.kl_penalt
 
 The target and the exact KLs of the fits (numerical integration on a fine grid) are
 :class:`klest.testbeds.GaussianMixtureTarget`'s.
+
+Full size (``klest run mode-seeking``): 5 s on a busy 2-core machine.
 """
 
 from __future__ import annotations
