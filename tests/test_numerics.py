@@ -62,7 +62,8 @@ def test_k3_relative_error_near_delta_1e_6_float64():
     delta = torch.tensor([1e-6, -1e-6, 3e-7, 1e-8], dtype=torch.float64)
     got = klest.k3(*ratio(delta), reduction="none")
     expected = torch.tensor([_ref_exp_tail(-float(d)) for d in delta], dtype=torch.float64)
-    assert float(((got - expected).abs() / expected).max()) <= 1e-6
+    # the README's "relative error ~1e-16 at delta = 1e-6": a few units of float64 roundoff
+    assert float(((got - expected).abs() / expected).max()) <= 4 * torch.finfo(torch.float64).eps
 
 
 def test_k3_float32_never_negative_and_beats_naive_formula():
