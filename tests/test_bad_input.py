@@ -63,6 +63,41 @@ def test_log_probs_above_zero_say_what_was_probably_passed(name, passed, guess):
         klest.kl_penalty(args["logp"].clone().requires_grad_(), args["logp_ref"])
 
 
+def _raised(call) -> str:
+    with pytest.raises(ValueError) as info:
+        call()
+    return str(info.value)
+
+
+def test_density_is_suggested_only_where_it_is_an_option_and_peers_name_their_arguments():
+    """Probabilities passed for log-probs: the message names the argument as the function
+    calls it, and suggests ``density=True`` only to functions that take it (a reward, the
+    verl / OpenRLHF drop-ins and a teacher's top-k log-probs are over tokens)."""
+    from klest.integrations import openrlhf, verl
+
+    probs = P.exp()
+    assert "pass density=True" in _raised(lambda: klest.k3(probs, Q))
+    assert "pass density=True" in _raised(lambda: klest.kl_penalty(probs, Q))
+    calls = {
+        "logp": lambda: klest.kl_reward(probs, Q),
+        "logprob": lambda: verl.kl_penalty(probs, Q, "low_var_kl"),
+        "ref_logprob": lambda: verl.kl_penalty(P, probs, "k1"),
+        "log_probs": lambda: openrlhf.compute_approx_kl(probs, Q, kl_estimator="k3"),
+        "log_probs_old": lambda: openrlhf.compute_approx_kl(P, Q, probs, kl_estimator="k2"),
+        "topk_logp": lambda: klest.kl_from_topk(
+            torch.zeros(2, 2, 4),
+            torch.tensor([0, 1]).expand(2, 2, 2),
+            torch.full((2, 2, 2), 0.4),
+            estimator="tail-bucket",
+        ),
+    }
+    for name, call in calls.items():
+        message = _raised(call)
+        assert message.startswith(f"{name} has values above 0"), message
+        assert "Were these probabilities" in message, message
+        assert "density" not in message, message
+
+
 def test_rounding_above_zero_is_not_an_error():
     """log_softmax in float32 can return a log-prob a few ulps above 0; bf16 more."""
     logp = torch.tensor([[1e-6, -1.0], [-0.5, -0.7]])

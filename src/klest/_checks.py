@@ -313,11 +313,14 @@ def check_log_probs(
     allow_neg_inf: bool,
     role: str = "",
     density: bool = False,
+    density_hint: bool = True,
     rounding_of: torch.dtype | None = None,
 ) -> None:
     """Queue the checks of log-probs (masked positions already set to 0): no NaN, no +inf, none
     above 0 (beyond rounding; skipped for the log-densities of continuous samples, ``density``),
     and no -inf unless ``allow_neg_inf`` (``role`` says why it is impossible).
+    ``density_hint``: the message for values above 0 mentions ``density=True`` (only where the
+    caller takes that option).
 
     One reduction pass (``aminmax``, or ``amax`` when -inf is allowed; NaN propagates) decides;
     the detailed message is built only when a check fails. ``rounding_of``: the dtype the
@@ -345,11 +348,11 @@ def check_log_probs(
                 return f"{name} contains {what} at {first_bad(flags)}"
         above = (x > tol) & k
         if bool(above.any()):
+            hint = " (Log-densities of continuous samples may exceed 0: pass density=True.)"
             return (
                 f"{name} has values above 0 at {first_bad(above)}, largest "
                 f"{float(x[k].max()):.4g}: log-probabilities are <= 0. Were these "
-                f"{_what_was_passed(x, k)} (Log-densities of continuous samples may exceed 0: "
-                "pass density=True.)"
+                f"{_what_was_passed(x, k)}{hint if density_hint else ''}"
             )
         return (
             f"{name} is -inf at {first_bad((x == -math.inf) & k)}: {role}; mask such positions out"

@@ -126,17 +126,21 @@ def prepare_log_ratios(
     logp_behavior: Tensor | None,
     mask: Tensor | None,
     checks: ValueChecks,
-    density: bool = False,
+    density: bool | None = False,
+    names: tuple[str, str, str] = ("logp", "logp_ref", "logp_behavior"),
 ) -> LogRatios:
     """Check log-probs and mask (value checks queued on ``checks``); per-row log-ratios.
 
-    ``density``: the inputs are log-densities of continuous samples (they may exceed 0).
+    ``density``: the inputs are log-densities of continuous samples (they may exceed 0); None:
+    log-probs of a caller that has no ``density`` option. ``names``: the caller's names of the
+    three arguments, for the messages.
     """
-    check_float_tensor("logp", logp)
-    check_float_tensor("logp_ref", logp_ref)
+    name, name_ref, name_behavior = names
+    check_float_tensor(name, logp)
+    check_float_tensor(name_ref, logp_ref)
     if logp_behavior is not None:
-        check_float_tensor("logp_behavior", logp_behavior)
-    check_same_shape(logp=logp, logp_ref=logp_ref, logp_behavior=logp_behavior)
+        check_float_tensor(name_behavior, logp_behavior)
+    check_same_shape(**{name: logp, name_ref: logp_ref, name_behavior: logp_behavior})
     keep = None
     if mask is not None:
         keep = check_mask(mask, logp.shape, logp.device, checks, of="the log-probs")
@@ -152,18 +156,19 @@ def prepare_log_ratios(
     lp, lr = rows(logp), rows(logp_ref)
     # Checked on the masked tensors (a 0 there passes every check), in the caller's layout.
     sampler = "pi" if logp_behavior is None else "behavior"
-    for name, x, original, allow_neg_inf, role in (
+    for arg, x, original, allow_neg_inf, role in (
         # Off-policy, pi may give a behavior sample probability 0.
-        ("logp", lp, logp, logp_behavior is not None, "a sample pi cannot produce"),
-        ("logp_ref", lr, logp_ref, True, ""),
+        (name, lp, logp, logp_behavior is not None, "a sample pi cannot produce"),
+        (name_ref, lr, logp_ref, True, ""),
     ):
         check_log_probs(
-            name,
+            arg,
             x.reshape(original.shape),
             checks,
             allow_neg_inf=allow_neg_inf,
             role=role,
-            density=density,
+            density=bool(density),
+            density_hint=density is not None,
             rounding_of=original.dtype,
         )
     delta = lp - lr
@@ -171,12 +176,13 @@ def prepare_log_ratios(
     if logp_behavior is not None:
         lb = rows(logp_behavior)
         check_log_probs(
-            "logp_behavior",
+            name_behavior,
             lb.reshape(logp_behavior.shape),
             checks,
             allow_neg_inf=False,
             role=f"a sample {sampler} cannot produce",
-            density=density,
+            density=bool(density),
+            density_hint=density is not None,
             rounding_of=logp_behavior.dtype,
         )
         log_w = lp - lb

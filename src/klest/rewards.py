@@ -61,10 +61,17 @@ import warnings
 import torch
 from torch import Tensor
 
-from klest._checks import check_choice, check_direction, check_flag, check_tensor
+from klest._checks import (
+    ValueChecks,
+    check_choice,
+    check_direction,
+    check_flag,
+    check_tensor,
+    resolve_validate,
+)
 from klest._types import Direction, Estimator
 from klest.aggregation import as_rows
-from klest.estimators import kl_estimate
+from klest.estimators import per_token_values, prepare_log_ratios
 from klest.penalty import KLGradientWarning
 from klest.sequence import sum_from_here
 
@@ -221,15 +228,19 @@ def kl_reward(
             stacklevel=2,
         )
     with torch.no_grad():
-        values = kl_estimate(
+        # kl_estimate's per-token values (reduction="none"), by its own steps: the log-ratios
+        # (0 at masked positions, where k1, k2, k3 and abs are 0), then the estimator.
+        checks = ValueChecks(resolve_validate(validate))
+        ratios = prepare_log_ratios(
             check_tensor("logp", logp).detach(),
             check_tensor("logp_ref", logp_ref).detach(),
-            estimator=estimator,
-            direction=direction,
+            logp_behavior=None,
             mask=mask,
-            reduction="none",
-            validate=validate,
+            checks=checks,
+            density=None,  # a reward is on tokens: no density option to suggest
         )
+        checks.run()
+        values = per_token_values(ratios.delta, estimator, direction).reshape(logp.shape)
         if not reward_to_go:
             return values
         rows = as_rows(values)

@@ -17,6 +17,7 @@ from klest.integrations.hf import (
     CompletionBatch,
     completion_batch,
     completion_batch_from_model,
+    generated_attention_mask,
     group_ids,
     group_ids_from_prompts,
     tiny_causal_lm,
@@ -539,3 +540,64 @@ def test_one_token_completions_match_the_per_row_loop(kind):
     logits = fake_logits(index, 7)
     batch = completion_batch(logits, ids, attention_mask=mask, prompt_lengths=n)
     assert_matches_reference(batch, reference_completions(logits, ids, mask, n), atol=1e-12)
+
+
+@pytest.mark.parametrize(("pad", "eos"), [(0, 0), (0, 2)], ids=["pad-is-eos", "pad-sampled"])
+def test_generated_attention_mask_scores_every_token_generate_sampled(pad, eos):
+    """Real generate output, finished rows padded: with the helper's mask the completions are
+    exactly the tokens generate sampled, up to and including each row's first eos (a per-row
+    Python loop), and their log-probs are generate's own (its processed scores, float32). The
+    two settings where ``sequences != pad`` is wrong: pad = eos (GPT-2's tokenizers; the eos
+    would be dropped) and pad sampled inside a completion (a hole that changes the context of
+    the later tokens). Five tokens make both happen in these fixed-seed samples."""
+    model = tiny_causal_lm(
+        vocab_size=5, pad_token_id=pad, bos_token_id=1, eos_token_id=eos, seed=2
+    ).eval()
+    prompts = [[1, 3], [1, 4, 3, 4]]
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    prompt_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    torch.manual_seed(0)
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids, attention_mask=prompt_mask, do_sample=True, top_k=0, top_p=1.0,
+            num_return_sequences=4, max_new_tokens=6, pad_token_id=pad, eos_token_id=eos,
+            return_dict_in_generate=True, output_scores=True,
+        )  # fmt: skip
+    seqs = out.sequences
+    attention = generated_attention_mask(seqs, prompt_mask=prompt_mask, eos_token_id=eos)
+    with torch.no_grad():
+        batch = completion_batch_from_model(
+            model, seqs, attention_mask=attention, prompt_lengths=width
+        )
+    lengths = []
+    for row in seqs[:, width:].tolist():
+        ended = [t for t, tok in enumerate(row) if tok == eos]
+        lengths.append(ended[0] + 1 if ended else len(row))
+    assert min(lengths) < seqs.shape[1] - width  # some row ended with its eos
+    if pad != eos:  # some completion sampled the pad token before its end
+        rows = zip(seqs[:, width:].tolist(), lengths, strict=True)
+        assert any(pad in row[: n - 1] for row, n in rows)
+    want_mask = torch.arange(batch.mask.shape[1]) < torch.tensor(lengths)[:, None]
+    assert torch.equal(batch.mask, want_mask)
+    assert torch.equal(attention[:, :width], prompt_mask.repeat_interleave(4, 0))
+    for t in range(batch.mask.shape[1]):
+        m = batch.mask[:, t]
+        want = torch.log_softmax(out.scores[t][m], -1).gather(-1, batch.tokens[m, t, None])[:, 0]
+        assert_verbose_close(batch.log_probs[m, t], want, atol=1e-5, what=f"step {t}")
+
+
+def test_generated_attention_mask_bad_input():
+    seqs = torch.tensor([[0, 5, 6, 1], [7, 8, 0, 6]])
+    mask = torch.ones(2, 2)
+    f = generated_attention_mask
+    with pytest.raises(ValueError, match="prompt_mask must be"):
+        f(seqs, prompt_mask=torch.ones(3, 2), eos_token_id=0)
+    with pytest.raises(ValueError, match="prompt_mask must be"):
+        f(seqs, prompt_mask=torch.ones(2, 5), eos_token_id=0)
+    with pytest.raises(TypeError, match="eos_token_id"):
+        f(seqs, prompt_mask=mask, eos_token_id=0.5)
+    with pytest.raises(ValueError, match="eos_token_id"):
+        f(seqs, prompt_mask=mask, eos_token_id=[])
+    with pytest.raises(TypeError, match="sequences"):
+        f(seqs.float(), prompt_mask=mask, eos_token_id=0)

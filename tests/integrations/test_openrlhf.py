@@ -161,13 +161,13 @@ def test_bad_input():
         openrlhf.compute_approx_kl(lp, lr, None, "k3", 1)
     with pytest.raises(ValueError, match="baseline applies"):
         openrlhf.compute_approx_kl(lp, lr, baseline="loo")
-    with pytest.raises(ValueError, match="logp has shape"):
+    with pytest.raises(ValueError, match=r"log_probs has shape .* but log_probs_base has shape"):
         openrlhf.compute_approx_kl(lp, lr[:, :2])
     # An earlier OpenRLHF took action_mask third: a 0/1 mask there is refused, not used as
     # log-probs of the sampling policy.
-    with pytest.raises(ValueError, match="logp_behavior has values above 0"):
+    with pytest.raises(ValueError, match="log_probs_old has values above 0"):
         openrlhf.compute_approx_kl(lp, lr, torch.ones(3, 4, dtype=torch.float64))
-    with pytest.raises(TypeError, match="logp_behavior must have a floating-point dtype"):
+    with pytest.raises(TypeError, match="log_probs_old must have a floating-point dtype"):
         openrlhf.compute_approx_kl(lp, lr, torch.ones(3, 4, dtype=torch.bool))
 
 

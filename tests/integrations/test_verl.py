@@ -353,7 +353,7 @@ def test_bad_input():
     for kwargs, error, match in cases:
         with pytest.raises(error, match=match):
             verl.kl_penalty(lp, lr, **kwargs)
-    with pytest.raises(ValueError, match="logp has shape \\(3, 4\\) but logp_ref has shape"):
+    with pytest.raises(ValueError, match="logprob has shape \\(3, 4\\) but ref_logprob has shape"):
         verl.kl_penalty(lp, lr[:, :3], "k3")
     with pytest.raises(ValueError, match="NaN"):
         verl.kl_penalty(lp, torch.full_like(lr, float("nan")), "k3")

@@ -235,3 +235,33 @@ def test_gradient_reaches_whichever_half_of_the_ref_head_is_trainable(trainable)
         torch.testing.assert_close(a, c, atol=1e-10, rtol=1e-10)
     other = w_ref if trainable == "h_ref" else h_ref
     assert other.grad is None and not other.requires_grad
+
+
+def test_bf16_hidden_states_with_a_float32_head():
+    """Hidden states from a forward under bf16 autocast, the LM heads (and biases) float32
+    parameters, the loss outside autocast: the logits are the heads' products in float32, as
+    a float64 reference on the same values gives them (value and gradients, each in its
+    input's dtype). It used to fail in the matmul (BFloat16 != float)."""
+    h = _t((2, 3, 8), 30).bfloat16().requires_grad_()
+    w = _t((11, 8), 31, torch.float32).requires_grad_()
+    b = _t((11,), 32, torch.float32).requires_grad_()
+    hr, wr, br = _t((2, 3, 5), 33).bfloat16(), _t((11, 5), 34, torch.float32), _t((11,), 35)
+    br = br.float()
+    kl = klest.kl_from_hidden(h, w, hr, wr, bias=b, bias_ref=br, chunk_size=4)
+    got = torch.autograd.grad(kl, [h, w, b])
+    leaves = [t.detach().double().requires_grad_() for t in (h, w, b)]
+    z = leaves[0] @ leaves[1].T + leaves[2]
+    y = hr.double() @ wr.double().T + br.double()
+    logp, logq = torch.log_softmax(z, -1), torch.log_softmax(y, -1)
+    want = (logp.exp() * (logp - logq)).sum(-1).sum(-1).mean()
+    want_grads = torch.autograd.grad(want, leaves)
+    torch.testing.assert_close(kl.double(), want, atol=1e-5, rtol=1e-5)
+    assert [g.dtype for g in got] == [torch.bfloat16, torch.float32, torch.float32]
+    for g, ref in zip(got, want_grads, strict=True):
+        # bf16 keeps 8 significant bits: the hidden states' gradient is rounded to 2^-8.
+        rtol = 2.0**-8 if g.dtype == torch.bfloat16 else 1e-5
+        torch.testing.assert_close(g.double(), ref, atol=rtol * float(ref.abs().max()), rtol=rtol)
+    jsd = klest.jsd_from_hidden(h, w, hr, wr, beta=0.5, bias=b, bias_ref=br)
+    torch.testing.assert_close(
+        jsd.double(), klest.jsd_from_logits(z, y, beta=0.5), atol=1e-5, rtol=1e-5
+    )

@@ -49,11 +49,21 @@ def peer_log_ratios(
     logp_behavior: Tensor | None = None,
     mask: Tensor | None,
     validate: bool | None,
+    names: tuple[str, str, str] = ("logp", "logp_ref", "logp_behavior"),
 ) -> PeerLogRatios:
     """Check the log-probs (klest's rules: shapes, dtypes, no NaN / +inf / values above 0) and
-    return their log-ratios (one host synchronisation for the value checks)."""
+    return their log-ratios (one host synchronisation for the value checks). ``names``: the
+    peer's names of the three arguments, for the messages."""
     checks = ValueChecks(resolve_validate(validate))
-    lr = prepare_log_ratios(logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks)
+    lr = prepare_log_ratios(
+        logp,
+        logp_ref,
+        logp_behavior=logp_behavior,
+        mask=mask,
+        checks=checks,
+        density=None,
+        names=names,
+    )
     checks.run()
     log_w = None if lr.log_w is None else lr.log_w.reshape(logp.shape)
     return PeerLogRatios(lr.delta.reshape(logp.shape), log_w)

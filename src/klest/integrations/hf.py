@@ -60,6 +60,7 @@ __all__ = [
     "CompletionBatch",
     "completion_batch",
     "completion_batch_from_model",
+    "generated_attention_mask",
     "group_ids",
     "group_ids_from_prompts",
     "tiny_causal_lm",
@@ -410,6 +411,79 @@ def completion_batch_from_model(
             f"{tuple(ids.shape)}; expected [B, L, V]"
         )
     return _aligned(logits, ids, layout, temperature=temperature, validate=validate)
+
+
+def generated_attention_mask(
+    sequences: Tensor, *, prompt_mask: Tensor, eos_token_id: int | Sequence[int]
+) -> Tensor:
+    r"""The attention mask of ``generate``'s output: each row's prompt mask, then its completion
+    up to and including the first end-of-sequence token.
+
+    .. math::
+        m_{b,c} = \text{prompt\_mask}_{b,c} \ (c < P), \qquad
+        m_{b,P+t} = 1 \iff y_{b,u} \notin \text{eos for every } u < t
+
+    ``generate`` pads a finished row with ``pad_token_id`` after its eos. Masking ``sequences !=
+    pad_token_id`` instead goes wrong in two common cases: where padding is eos (GPT-2's
+    tokenizers, ``tokenizer.pad_token = tokenizer.eos_token``) it drops each completion's eos,
+    the last token pi chose; and a pad token sampled inside a completion becomes a hole, so the
+    later tokens' log-probs are no longer those ``generate`` sampled from.
+
+    Samples: rows of ``model.generate(prompt_ids, attention_mask=prompt_mask, ...)``, prompts
+    left-padded to width P (generate's layout); pass the result as ``attention_mask`` and P as
+    ``prompt_lengths`` to :func:`completion_batch_from_model`.
+
+    Args:
+      sequences: ``[B, L]`` integer token ids, generate's output (``L >= P``).
+      prompt_mask: ``[B, P]`` or ``[B / G, P]`` bool or 0/1, the attention mask of the prompts
+        given to ``generate`` (with ``num_return_sequences=G``, each prompt's row is repeated G
+        times, consecutively, as ``generate`` does).
+      eos_token_id: the end-of-sequence id, or several (``generation_config.eos_token_id`` may
+        be a list).
+
+    Returns:
+      int64 ``[B, L]``, 1 at attended tokens.
+
+    Raises:
+      TypeError: non-tensor or non-integer ``sequences``, a non-integer ``eos_token_id``.
+      ValueError: ``prompt_mask`` whose shape does not fit ``sequences``, not 0/1, or no
+        ``eos_token_id``.
+
+    Example:
+      >>> out = torch.tensor([[0, 5, 6, 1, 0, 0], [7, 8, 3, 6, 9, 9]])  # pad = eos = 0, P = 2
+      >>> generated_attention_mask(out, prompt_mask=torch.tensor([[0, 1], [1, 1]]),
+      ...                          eos_token_id=0)
+      tensor([[0, 1, 1, 1, 1, 0],
+              [1, 1, 1, 1, 1, 1]])
+    """
+    ids = check_tensor("sequences", sequences)
+    if ids.dim() != 2:
+        raise ValueError(f"sequences must be [B, L], got shape {tuple(ids.shape)}")
+    check_int_ids("sequences", ids, ids.shape, ids.device, of="sequences")
+    eos = eos_token_id if isinstance(eos_token_id, Sequence) else [eos_token_id]
+    if any(isinstance(e, bool) or not isinstance(e, int) for e in eos):
+        raise TypeError(f"eos_token_id must be an int or a sequence of ints, got {eos_token_id!r}")
+    if not eos:
+        raise ValueError("eos_token_id must name at least one id, got an empty sequence")
+    pm = check_tensor("prompt_mask", prompt_mask)
+    b, width = ids.shape
+    rows = pm.shape[0] if pm.dim() == 2 else 0
+    fits = (rows > 0 and b % rows == 0) or rows == b  # [B, P], or [B / G, P] repeated G times
+    if pm.dim() != 2 or pm.shape[1] > width or not fits:
+        raise ValueError(
+            f"prompt_mask must be [B, P] or [B / G, P] with P <= L for sequences of shape "
+            f"{tuple(ids.shape)}, got shape {tuple(pm.shape)}"
+        )
+    if rows and rows != b:
+        pm = pm.repeat_interleave(b // rows, dim=0)
+    checks = ValueChecks(resolve_validate(None))
+    keep = check_mask(pm, pm.shape, ids.device, checks, of="the prompts")
+    checks.run()
+    completion = ids[:, pm.shape[1] :]
+    is_eos = torch.isin(completion, torch.tensor(eos, dtype=ids.dtype, device=ids.device))
+    # Tokens before the first eos, and the eos itself: no eos strictly before them.
+    eos_before = is_eos.long().cumsum(1) - is_eos.long()
+    return torch.cat([keep.long(), (eos_before == 0).long()], 1)
 
 
 def group_ids(

@@ -196,7 +196,12 @@ def compute_approx_kl(
         return with_klest_gradient(value_of, log_probs, log_probs_base, grad=grad, options=options)
     dataclasses.replace(options, logp_behavior=None).refuse_for_peer()  # log_probs_old is used
     ratios = peer_log_ratios(
-        log_probs, log_probs_base, logp_behavior=log_probs_old, mask=action_mask, validate=validate
+        log_probs,
+        log_probs_base,
+        logp_behavior=log_probs_old,
+        mask=action_mask,
+        validate=validate,
+        names=("log_probs", "log_probs_base", "log_probs_old"),
     )
     value = value_of(ratios.delta)
     if not unbiased_gradient:

@@ -259,7 +259,8 @@ def kl_penalty(
             )
         return with_klest_gradient(value_of, logprob, ref_logprob, grad=grad, options=options)
     options.refuse_for_peer()
-    delta = peer_log_ratios(logprob, ref_logprob, mask=mask, validate=validate).delta
+    names = ("logprob", "ref_logprob", "logp_behavior")
+    delta = peer_log_ratios(logprob, ref_logprob, mask=mask, validate=validate, names=names).delta
     if straight_through:
         return join(value_of(delta), _k2(delta))
     return value_of(delta)

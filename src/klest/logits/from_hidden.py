@@ -153,7 +153,13 @@ class _Head:
         if self.logits is not None:
             return self.logits.index_select(0, idx)
         assert self.hidden is not None and self.weight is not None
-        return torch.nn.functional.linear(self.hidden.index_select(0, idx), self.weight, self.bias)
+        # In the LM head's dtype (as autocast would; bf16 hidden states with an fp32 head
+        # otherwise fail in the matmul): the cast is per chunk, the head is not copied.
+        dtype = self.weight.dtype
+        bias = None if self.bias is None else self.bias.to(dtype)
+        return torch.nn.functional.linear(
+            self.hidden.index_select(0, idx).to(dtype), self.weight, bias
+        )
 
 
 class _HeadGrads:
@@ -328,7 +334,9 @@ def kl_from_hidden(
     Args:
       hidden: pi's final hidden states ``[..., H]`` (positions already shifted: position t
         predicts token t + 1).
-      weight: pi's LM head ``[V, H]`` (``nn.Linear(H, V).weight``).
+      weight: pi's LM head ``[V, H]`` (``nn.Linear(H, V).weight``). The logits are computed
+        in its dtype (bf16 hidden states from an autocast forward with a float32 head: float32
+        logits), chunk by chunk; each gradient comes back in its input's dtype.
       hidden_ref: ref's hidden states ``[..., H_ref]`` (same positions), with ``weight_ref``
         ``[V, H_ref]``; or give ``logits_ref`` ``[..., V]`` instead.
       weight_ref: ref's LM head.
@@ -435,7 +443,7 @@ def run_hidden(
     h = hidden.reshape(-1, hidden.shape[-1])
     resolved = resolve_backend(backend, h)
     # Per row: pi's and ref's logits and a gradient in their dtype, plus the PyTorch workspace.
-    per_row = v * hidden.element_size() * 3
+    per_row = v * max(hidden.element_size(), weight.element_size()) * 3
     per_row += workspace(v) if resolved == "torch" else 0
     plan = make_plan(1.0 / tau, resolved, chunk_rows(per_row, h.device, memory_budget, chunk_size))
     outputs = _HiddenRows.apply(

@@ -401,6 +401,7 @@ def kl_from_topk(
         checks,
         allow_neg_inf=False,
         role="the teacher gives a top-k token probability 0",
+        density_hint=False,
         rounding_of=topk_logp.dtype,
     )
     log_mass = torch.logsumexp(b_all, -1)
@@ -429,6 +430,7 @@ def kl_from_topk(
             checks,
             allow_neg_inf=False,
             role="the teacher gives the sampled token probability 0 (KL(pi||ref) is infinite)",
+            density_hint=False,
             rounding_of=logp_ref_label.dtype,
         )
         b_y = b_y_all[rows]
