@@ -126,14 +126,16 @@ def prepare_log_ratios(
     logp_behavior: Tensor | None,
     mask: Tensor | None,
     checks: ValueChecks,
-    density: bool | None = False,
+    density: bool = False,
+    density_hint: bool = True,
     names: tuple[str, str, str] = ("logp", "logp_ref", "logp_behavior"),
 ) -> LogRatios:
     """Check log-probs and mask (value checks queued on ``checks``); per-row log-ratios.
 
-    ``density``: the inputs are log-densities of continuous samples (they may exceed 0); None:
-    log-probs of a caller that has no ``density`` option. ``names``: the caller's names of the
-    three arguments, for the messages.
+    ``density``: the inputs are log-densities of continuous samples (they may exceed 0);
+    ``density_hint``: the message for values above 0 suggests ``density=True`` (False for
+    callers without that option). ``names``: the caller's names of the three arguments, for
+    the messages.
     """
     name, name_ref, name_behavior = names
     check_float_tensor(name, logp)
@@ -167,8 +169,8 @@ def prepare_log_ratios(
             checks,
             allow_neg_inf=allow_neg_inf,
             role=role,
-            density=bool(density),
-            density_hint=density is not None,
+            density=density,
+            density_hint=density_hint,
             rounding_of=original.dtype,
         )
     delta = lp - lr
@@ -181,8 +183,8 @@ def prepare_log_ratios(
             checks,
             allow_neg_inf=False,
             role=f"a sample {sampler} cannot produce",
-            density=bool(density),
-            density_hint=density is not None,
+            density=density,
+            density_hint=density_hint,
             rounding_of=logp_behavior.dtype,
         )
         log_w = lp - lb

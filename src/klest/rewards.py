@@ -237,7 +237,7 @@ def kl_reward(
             logp_behavior=None,
             mask=mask,
             checks=checks,
-            density=None,  # a reward is on tokens: no density option to suggest
+            density_hint=False,  # a reward is on tokens: no density option to suggest
         )
         checks.run()
         values = per_token_values(ratios.delta, estimator, direction).reshape(logp.shape)

@@ -61,7 +61,7 @@ def peer_log_ratios(
         logp_behavior=logp_behavior,
         mask=mask,
         checks=checks,
-        density=None,
+        density_hint=False,
         names=names,
     )
     checks.run()
