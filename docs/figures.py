@@ -1,12 +1,17 @@
-"""Copy the experiments' figures into ``docs/_static/experiments/``, small enough to commit.
+"""Copy the experiments' figures and results into ``docs/_static/experiments/``, small enough
+to commit.
 
 Usage: ``python docs/figures.py RUNS`` after ``klest run NAME --out RUNS/NAME`` for every
 experiment below (``make docs-figures`` does both). Each PNG is scaled to at most 1100 pixels
-wide and reduced to a 256-colour palette (the plots are flat colours and lines).
+wide and reduced to a 256-colour palette (the plots are flat colours and lines). Each run's
+``result.json`` (without indentation, numbers to 7 significant digits) and ``table.md`` are copied
+beside its figures as ``NAME-result.json`` and ``NAME-table.md``: the source of the numbers the
+docs quote.
 """
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -46,7 +51,28 @@ def main(runs: Path) -> int:
             if size > MAX_BYTES:
                 print(f"  larger than {MAX_BYTES} B", file=sys.stderr)
                 return 1
+        copy_results(runs / experiment, experiment)
     return 0
+
+
+def copy_results(run: Path, experiment: str) -> None:
+    """``run/result.json`` (compact) and ``run/table.md`` as ``OUT/EXPERIMENT-result.json`` and
+    ``OUT/EXPERIMENT-table.md``."""
+    result = _rounded(json.loads((run / "result.json").read_text()))
+    (OUT / f"{experiment}-result.json").write_text(json.dumps(result, separators=(",", ":")))
+    (OUT / f"{experiment}-table.md").write_text((run / "table.md").read_text())
+    print(f"docs/_static/experiments/{experiment}-result.json, -table.md")
+
+
+def _rounded(x):
+    """``x`` with every float to 7 significant digits (the docs quote at most 4)."""
+    if isinstance(x, float):
+        return float(f"{x:.7g}")
+    if isinstance(x, dict):
+        return {k: _rounded(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_rounded(v) for v in x]
+    return x
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import ast
 import importlib
 import inspect
 import itertools
+import json
 import re
 import typing
 from pathlib import Path
@@ -190,3 +191,38 @@ def test_page_examples_run(page: Path) -> None:
         for number, block in enumerate(blocks, 1):
             exec(compile(block, f"{page.name} block {number}", "exec"), namespace)
     assert klest.get_default_validate(), f"{page.name} left validation off"
+
+
+def test_recorded_experiment_results_are_full_size_runs_of_registered_experiments():
+    """The results kept beside the docs' figures (the source of the numbers the docs quote) are
+    full-size runs (not ``--quick``) of experiments the CLI knows, each with its table."""
+    from klest.experiments import registry
+
+    recorded = sorted((ROOT / "docs" / "_static" / "experiments").glob("*-result.json"))
+    assert recorded
+    for path in recorded:
+        name = path.name.removesuffix("-result.json")
+        result = json.loads(path.read_text())
+        assert name in registry() and result["experiment"] == name, path.name
+        assert result["quick"] is False, path.name
+        assert path.with_name(f"{name}-table.md").read_text().strip(), path.name
+
+
+def test_recorded_results_keep_seven_significant_digits(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT / "docs"))
+    pytest.importorskip("PIL", reason="docs/figures.py needs Pillow (the docs extra)")
+    figures = importlib.import_module("figures")
+    monkeypatch.setattr(figures, "OUT", tmp_path / "out")
+    (tmp_path / "out").mkdir()
+    run = tmp_path / "run"
+    run.mkdir()
+    result = {"quick": False, "x": [0.123456789012, 2, {"y": -1234567.891}], "s": "a"}
+    (run / "result.json").write_text(json.dumps(result))
+    (run / "table.md").write_text("| a |\n")
+    figures.copy_results(run, "demo")
+    assert json.loads((tmp_path / "out" / "demo-result.json").read_text()) == {
+        "quick": False,
+        "x": [0.1234568, 2, {"y": -1234568.0}],
+        "s": "a",
+    }
+    assert (tmp_path / "out" / "demo-table.md").read_text() == "| a |\n"

@@ -22,7 +22,7 @@ Beside the paper's estimators: ``k3/cumulative+exact-kl``, cumulative with each 
 KL as its baseline (vOPD's control variate, "KL for a KL: On-Policy Distillation with Control
 Variate Baseline" by Minjae Oh et al., 2026, https://arxiv.org/abs/2605.07865).
 
-Full size: 533 s on 2 shared CPU cores; ``--quick``: about 20 s.
+Full size: 137 s on 2 shared CPU cores; ``--quick``: about 10 s.
 
 The experiment only calls :func:`klest.kl_penalty` (via :class:`klest.audit.GradSpec`) and
 :func:`klest.audit_grad`.
