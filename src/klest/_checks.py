@@ -243,21 +243,28 @@ def compute_dtype(*tensors: Tensor | None) -> torch.dtype:
 
 
 def check_mask(
-    mask: object, shape: torch.Size, device: torch.device, checks: ValueChecks, *, of: str
+    mask: object,
+    shape: torch.Size,
+    device: torch.device,
+    checks: ValueChecks,
+    *,
+    of: str,
+    name: str = "mask",
 ) -> Tensor:
-    """A boolean mask of ``shape`` (True = keep) from a bool or 0/1 numeric tensor."""
-    mask = check_tensor("mask", mask)
+    """A boolean mask of ``shape`` (True = keep) from a bool or 0/1 numeric tensor (``name``:
+    the caller's argument, for the messages)."""
+    mask = check_tensor(name, mask)
     if mask.shape != shape:
-        raise ValueError(f"mask has shape {tuple(mask.shape)} but {of} have shape {tuple(shape)}")
+        raise ValueError(f"{name} has shape {tuple(mask.shape)} but {of} have shape {tuple(shape)}")
     if mask.device != device:
-        raise ValueError(f"mask is on {mask.device} but {of} are on {device}")
+        raise ValueError(f"{name} is on {mask.device} but {of} are on {device}")
     if mask.dtype == torch.bool:
         return mask
     if mask.is_complex():
-        raise TypeError(f"mask must be bool or 0/1 numeric, got {mask.dtype}")
+        raise TypeError(f"{name} must be bool or 0/1 numeric, got {mask.dtype}")
     checks.add(
         (mask != 0) & (mask != 1),
-        lambda flags: f"mask must hold only 0 and 1 (or be a bool tensor); {first_bad(flags)}",
+        lambda flags: f"{name} must hold only 0 and 1 (or be a bool tensor); {first_bad(flags)}",
     )
     return mask != 0
 

@@ -249,8 +249,8 @@ def test_bad_input():
         ({"prompt_lengths": torch.tensor([2, 2, 2])}, ValueError, r"prompt_lengths has shape"),
         ({"prompt_lengths": torch.tensor([2, 4])}, ValueError, "row 1 has prompt_lengths 4 and 3"),
         ({"prompt_lengths": torch.tensor([0, 1])}, ValueError, "row 0 has prompt_lengths 0"),
-        ({"attention_mask": mask[:, :3]}, ValueError, r"mask has shape \(2, 3\)"),
-        ({"attention_mask": mask * 2}, ValueError, "mask must hold only 0 and 1"),
+        ({"attention_mask": mask[:, :3]}, ValueError, r"attention_mask has shape \(2, 3\)"),
+        ({"attention_mask": mask * 2}, ValueError, "attention_mask must hold only 0 and 1"),
         ({"logits": logits[:1]}, ValueError, r"logits has shape \(1, 4, 64\)"),
         ({"logits": logits.long()}, TypeError, "logits must have a floating-point dtype"),
         ({"input_ids": ids.float()}, TypeError, "input_ids must hold integer ids"),
@@ -312,7 +312,7 @@ def test_group_ids_from_prompts_edge_cases_and_errors():
         group_ids_from_prompts(torch.tensor([1, 2]))
     with pytest.raises(TypeError, match="prompt_ids must hold integer ids"):
         group_ids_from_prompts(torch.ones(2, 2))
-    with pytest.raises(ValueError, match=r"mask has shape \(2, 1\)"):
+    with pytest.raises(ValueError, match=r"prompt_mask has shape \(2, 1\)"):
         group_ids_from_prompts(torch.ones(2, 2, dtype=torch.long), prompt_mask=torch.ones(2, 1))
 
 
@@ -595,6 +595,8 @@ def test_generated_attention_mask_bad_input():
         f(seqs, prompt_mask=torch.ones(3, 2), eos_token_id=0)
     with pytest.raises(ValueError, match="prompt_mask must be"):
         f(seqs, prompt_mask=torch.ones(2, 5), eos_token_id=0)
+    with pytest.raises(ValueError, match="prompt_mask must hold only 0 and 1"):
+        f(seqs, prompt_mask=mask * 2, eos_token_id=0)
     with pytest.raises(TypeError, match="eos_token_id"):
         f(seqs, prompt_mask=mask, eos_token_id=0.5)
     with pytest.raises(ValueError, match="eos_token_id"):

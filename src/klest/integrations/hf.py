@@ -158,7 +158,14 @@ def _starts(attended: Tensor, prompt_lengths: object, checks: ValueChecks) -> Te
 def _layout(
     input_ids: Tensor, attention_mask: object, prompt_lengths: object, checks: ValueChecks
 ) -> _Layout:
-    attended = check_mask(attention_mask, input_ids.shape, input_ids.device, checks, of="input_ids")
+    attended = check_mask(
+        attention_mask,
+        input_ids.shape,
+        input_ids.device,
+        checks,
+        of="input_ids",
+        name="attention_mask",
+    )
     start = _starts(attended, prompt_lengths, checks)
     checks.run()
     b, width = attended.shape
@@ -477,7 +484,7 @@ def generated_attention_mask(
     if rows and rows != b:
         pm = pm.repeat_interleave(b // rows, dim=0)
     checks = ValueChecks(resolve_validate(None))
-    keep = check_mask(pm, pm.shape, ids.device, checks, of="the prompts")
+    keep = check_mask(pm, pm.shape, ids.device, checks, of="the prompts", name="prompt_mask")
     checks.run()
     completion = ids[:, pm.shape[1] :]
     is_eos = torch.isin(completion, torch.tensor(eos, dtype=ids.dtype, device=ids.device))
@@ -563,7 +570,9 @@ def group_ids_from_prompts(prompt_ids: Tensor, *, prompt_mask: Tensor | None = N
     keep = (
         torch.ones_like(ids, dtype=torch.bool)
         if prompt_mask is None
-        else check_mask(prompt_mask, ids.shape, ids.device, checks, of="prompt_ids")
+        else check_mask(
+            prompt_mask, ids.shape, ids.device, checks, of="prompt_ids", name="prompt_mask"
+        )
     )
     checks.run()
     if b == 0 or width == 0:
