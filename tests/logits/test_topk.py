@@ -348,9 +348,9 @@ def test_mask_and_ignore_index_leave_positions_out():
         assert_verbose_close(got, want, atol=1e-12, what=reduction)
         (g,) = torch.autograd.grad(got.sum(), zb)
         assert torch.isfinite(g).all() and (g[~mask] == 0).all()
-    # labels = ignore_index is the same as masking
+    # labels = ignore_index is the same as masking (logp_ref_label is not read there)
     y_ign = torch.where(mask, y, -100)
-    got = kl_from_topk(z, idx, top, labels=y_ign, logp_ref_label=lr, reduction="per-sequence")
+    got = kl_from_topk(z, idx, top, labels=y_ign, logp_ref_label=lr_bad, reduction="per-sequence")
     assert_verbose_close(got, klest.aggregate(per, mask=mask, reduction="per-sequence"), atol=1e-12)
 
 

@@ -298,7 +298,8 @@ def kl_from_topk(
       labels: integer ``[...]``, the token sampled from pi at each position (required by the
         sampled estimators; ``ignore_index`` leaves a position out).
       logp_ref_label: ``[...]`` the teacher's log-prob of that token (required by the sampled
-        estimators).
+        estimators); not read where the label is ``ignore_index`` or ``mask`` is False (any
+        value there, e.g. ``teacher_logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]``).
       estimator: ``"unbiased"`` (default), ``"unbiased-cv"``, ``"tail-bucket"``,
         ``"truncated"`` or ``"truncated-raw"``.
       direction: ``"pi||ref"`` (on-policy distillation) or ``"ref||pi"``.
