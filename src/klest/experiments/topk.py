@@ -108,7 +108,14 @@ def run(config: RunConfig) -> Report:
     positions = {
         kind: [_position(kind, v, n, gen) for _ in range(per_teacher)] for kind in TEACHERS
     }
-    results: dict = {"V": v, "draws_per_position": n, "positions_per_teacher": per_teacher}
+    results: dict = {
+        "experiment": "topk",
+        "quick": config.quick,
+        "seed": config.seed,
+        "V": v,
+        "draws_per_position": n,
+        "positions_per_teacher": per_teacher,
+    }
     lines = [
         "| teacher | k | top-k mass (teacher / student) | KL | estimator | bias / KL | "
         "std / KL | grad bias / ‖∇KL‖ (noise) | grad var / ‖∇KL‖² |",
