@@ -4,7 +4,8 @@ to commit.
 Usage: ``python docs/figures.py RUNS`` after ``klest run NAME --out RUNS/NAME`` for every
 experiment below (``make docs-figures`` does both). Each PNG is scaled to at most 1100 pixels
 wide and reduced to a 256-colour palette (the plots are flat colours and lines). Each run's
-``result.json`` (without indentation, numbers to 7 significant digits) and ``table.md`` are copied
+``result.json`` (without indentation, numbers to 7 significant digits, entries over 1 MB such
+as raw per-draw data left out and named under ``omitted``) and ``table.md`` are copied
 beside its figures as ``NAME-result.json`` and ``NAME-table.md``: the source of the numbers the
 docs quote.
 """
@@ -33,6 +34,7 @@ FIGURES = {
 OUT = Path(__file__).resolve().parent / "_static" / "experiments"
 MAX_WIDTH = 1100
 MAX_BYTES = 150_000
+MAX_ENTRY_BYTES = 1_000_000  # a result.json entry larger than this is not copied
 
 
 def main(runs: Path) -> int:
@@ -59,6 +61,12 @@ def copy_results(run: Path, experiment: str) -> None:
     """``run/result.json`` (compact) and ``run/table.md`` as ``OUT/EXPERIMENT-result.json`` and
     ``OUT/EXPERIMENT-table.md``."""
     result = _rounded(json.loads((run / "result.json").read_text()))
+    # Raw per-draw data can be megabytes: such entries are left out, and named.
+    sizes = {k: len(json.dumps(v, separators=(",", ":"))) for k, v in result.items()}
+    omitted = {k: f"{n} bytes of JSON, left out" for k, n in sizes.items() if n > MAX_ENTRY_BYTES}
+    result = {k: v for k, v in result.items() if k not in omitted}
+    if omitted:
+        result["omitted"] = omitted
     (OUT / f"{experiment}-result.json").write_text(json.dumps(result, separators=(",", ":")))
     (OUT / f"{experiment}-table.md").write_text((run / "table.md").read_text())
     print(f"docs/_static/experiments/{experiment}-result.json, -table.md")

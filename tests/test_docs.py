@@ -208,7 +208,9 @@ def test_recorded_experiment_results_are_full_size_runs_of_registered_experiment
         assert path.with_name(f"{name}-table.md").read_text().strip(), path.name
 
 
-def test_recorded_results_keep_seven_significant_digits(tmp_path, monkeypatch):
+def test_recorded_results_keep_seven_significant_digits_and_name_what_is_left_out(
+    tmp_path, monkeypatch
+):
     monkeypatch.syspath_prepend(str(ROOT / "docs"))
     pytest.importorskip("PIL", reason="docs/figures.py needs Pillow (the docs extra)")
     figures = importlib.import_module("figures")
@@ -217,6 +219,8 @@ def test_recorded_results_keep_seven_significant_digits(tmp_path, monkeypatch):
     run = tmp_path / "run"
     run.mkdir()
     result = {"quick": False, "x": [0.123456789012, 2, {"y": -1234567.891}], "s": "a"}
+    result["raw"] = list(range(100))  # 291 bytes of JSON: over the limit set below
+    monkeypatch.setattr(figures, "MAX_ENTRY_BYTES", 100)
     (run / "result.json").write_text(json.dumps(result))
     (run / "table.md").write_text("| a |\n")
     figures.copy_results(run, "demo")
@@ -224,5 +228,9 @@ def test_recorded_results_keep_seven_significant_digits(tmp_path, monkeypatch):
         "quick": False,
         "x": [0.1234568, 2, {"y": -1234568.0}],
         "s": "a",
+        "omitted": {
+            "raw": f"{len(json.dumps(list(range(100)), separators=(',', ':')))} bytes "
+            "of JSON, left out"
+        },
     }
     assert (tmp_path / "out" / "demo-table.md").read_text() == "| a |\n"
