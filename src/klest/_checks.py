@@ -17,9 +17,12 @@ and gives the first one; only then are more synchronisations spent on the messag
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, get_args
 
 import torch
@@ -28,6 +31,46 @@ from torch import Tensor
 from klest._types import Direction
 
 _default_validate = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgumentNames:
+    """The caller's names of the log-prob arguments and the mask, for messages and warnings.
+
+    klest's own functions use the defaults; a drop-in for a trainer (verl, OpenRLHF) gives its
+    peer's names, so an error says ``logprob`` where a verl user passed ``logprob``.
+    ``density_option``: whether the caller takes ``density=True`` (a message suggests it only
+    then).
+    """
+
+    logp: str = "logp"
+    logp_ref: str = "logp_ref"
+    logp_behavior: str = "logp_behavior"
+    mask: str = "mask"
+    density_option: bool = True
+
+
+KLEST_NAMES = ArgumentNames()
+
+_caller_names: contextvars.ContextVar[ArgumentNames] = contextvars.ContextVar(
+    "klest_caller_names", default=KLEST_NAMES
+)
+
+
+@contextlib.contextmanager
+def named_by_caller(names: ArgumentNames) -> Iterator[None]:
+    """Within the block, :func:`klest.kl_penalty` names its arguments as ``names`` (a drop-in
+    calls it with its peer's arguments)."""
+    token = _caller_names.set(names)
+    try:
+        yield
+    finally:
+        _caller_names.reset(token)
+
+
+def caller_names() -> ArgumentNames:
+    """The names set by the innermost :func:`named_by_caller` (klest's own by default)."""
+    return _caller_names.get()
 
 
 def set_default_validate(value: bool) -> None:

@@ -51,6 +51,8 @@ import torch
 from torch import Tensor
 
 from klest._checks import (
+    KLEST_NAMES,
+    ArgumentNames,
     ValueChecks,
     check_choice,
     check_direction,
@@ -127,17 +129,16 @@ def prepare_log_ratios(
     mask: Tensor | None,
     checks: ValueChecks,
     density: bool = False,
-    density_hint: bool = True,
-    names: tuple[str, str, str] = ("logp", "logp_ref", "logp_behavior"),
+    names: ArgumentNames = KLEST_NAMES,
 ) -> LogRatios:
     """Check log-probs and mask (value checks queued on ``checks``); per-row log-ratios.
 
     ``density``: the inputs are log-densities of continuous samples (they may exceed 0);
-    ``density_hint``: the message for values above 0 suggests ``density=True`` (False for
-    callers without that option). ``names``: the caller's names of the three arguments, for
-    the messages.
+    ``names``: the caller's names of the arguments, and whether it takes ``density=True`` (the
+    message for values above 0 suggests it only then).
     """
-    name, name_ref, name_behavior = names
+    name, name_ref, name_behavior = names.logp, names.logp_ref, names.logp_behavior
+    density_hint = names.density_option
     check_float_tensor(name, logp)
     check_float_tensor(name_ref, logp_ref)
     if logp_behavior is not None:
@@ -145,7 +146,9 @@ def prepare_log_ratios(
     check_same_shape(**{name: logp, name_ref: logp_ref, name_behavior: logp_behavior})
     keep = None
     if mask is not None:
-        keep = check_mask(mask, logp.shape, logp.device, checks, of="the log-probs")
+        keep = check_mask(
+            mask, logp.shape, logp.device, checks, of="the log-probs", name=names.mask
+        )
     dtype = compute_dtype(logp, logp_ref, logp_behavior)
     valid = None if keep is None else as_rows(keep)
     bits = None if valid is None else mask_bits(valid, dtype)

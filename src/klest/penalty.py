@@ -86,7 +86,9 @@ import torch
 from torch import Tensor
 
 from klest._checks import (
+    ArgumentNames,
     ValueChecks,
+    caller_names,
     check_choice,
     check_direction,
     check_finite_surrogate,
@@ -473,9 +475,11 @@ def _check_rules(
 
 
 def _surrogate_explanation(
-    logp: Tensor, logp_ref: Tensor, lr: LogRatios, direction: str
+    logp: Tensor, logp_ref: Tensor, lr: LogRatios, direction: str, names: ArgumentNames
 ) -> Callable[[], str]:
-    """The message for a non-finite surrogate, naming the responsible argument."""
+    """The message for a non-finite surrogate, naming the responsible argument (by the caller's
+    ``names``)."""
+    lp, ref, behavior = names.logp, names.logp_ref, names.logp_behavior
 
     def explain() -> str:
         keep = lr.valid_or_all().reshape(logp.shape) & (logp > -torch.inf)
@@ -483,21 +487,21 @@ def _surrogate_explanation(
         if bool(zero_ref.any()):
             first = tuple(zero_ref.nonzero()[0].tolist())
             return (
-                f"logp_ref is -inf at {int(zero_ref.sum())} position(s) (first at index {first}) "
+                f"{ref} is -inf at {int(zero_ref.sum())} position(s) (first at index {first}) "
                 f"where pi sampled the token: ref gives it probability 0, so KL({direction}) is "
                 "infinite and has no finite gradient; mask those tokens out"
             )
         if lr.log_w is not None:
             return (
                 "the gradient surrogate is not finite: the importance weights "
-                "exp(logp - logp_behavior) (largest log-weight "
-                f"{float(lr.log_w.max()):.4g}) or the log-ratios logp - logp_ref overflow; "
+                f"exp({lp} - {behavior}) (largest log-weight "
+                f"{float(lr.log_w.max()):.4g}) or the log-ratios {lp} - {ref} overflow; "
                 "clip or mask such tokens"
             )
         return (
-            "the gradient surrogate is not finite: the log-ratios logp - logp_ref (largest "
-            f"|logp - logp_ref| {float(lr.delta.detach().abs().max()):.4g}) overflow the ratio "
-            "exp(-(logp - logp_ref)) or its sum; mask such tokens"
+            f"the gradient surrogate is not finite: the log-ratios {lp} - {ref} (largest "
+            f"|{lp} - {ref}| {float(lr.delta.detach().abs().max()):.4g}) overflow the ratio "
+            f"exp(-({lp} - {ref})) or its sum; mask such tokens"
         )
 
     return explain
@@ -634,6 +638,7 @@ def kl_penalty(
     )
     checks = ValueChecks(resolve_validate(validate))
     check_flag("density", density)
+    names = caller_names()  # a drop-in's names of the arguments, for the messages
     lr = prepare_log_ratios(
         logp,
         logp_ref,
@@ -641,6 +646,7 @@ def kl_penalty(
         mask=mask,
         checks=checks,
         density=density or reparameterized,
+        names=names,
     )
     keys = None if group is None else group_keys(check_group(group, logp.shape, logp.device))
     kls = None
@@ -676,6 +682,7 @@ def kl_penalty(
         logp_ref,
         logits if logits is not None else position_kls,
         logp_stl,
+        names.logp,
     )
 
     # The value passes no gradient (decouple detaches it) unless it is the gradient (autodiff).
@@ -712,7 +719,7 @@ def kl_penalty(
     value_out = value.reduce(reduction)
     surrogate_out = est.surrogate(inputs).reduce(reduction)
     check_finite_surrogate(
-        surrogate_out, checks, _surrogate_explanation(logp, logp_ref, lr, direction)
+        surrogate_out, checks, _surrogate_explanation(logp, logp_ref, lr, direction, names)
     )
     probes = checks.run()
     if probe:
@@ -752,8 +759,10 @@ def _warn_about_gradient(
     logp_ref: Tensor,
     logits: Tensor | None,
     logp_stl: Tensor | None,
+    logp_name: str,
 ) -> None:
-    """Warn when the chosen gradient is biased for the stated KL, or cannot reach the policy."""
+    """Warn when the chosen gradient is biased for the stated KL, or cannot reach the policy
+    (``logp_name``: the caller's name of ``logp``)."""
     if est.name == "autodiff" and not reparameterized:
         _warn(
             f"grad='autodiff' of estimator={estimator!r} on sampled tokens is not an unbiased "
@@ -768,6 +777,6 @@ def _warn_about_gradient(
     carriers = (logp, logits, logp_stl, logp_ref if reparameterized else None)
     if torch.is_grad_enabled() and not any(t is not None and t.requires_grad for t in carriers):
         _warn(
-            f"grad={est.name!r}: logp does not require grad, so no gradient will reach the "
+            f"grad={est.name!r}: {logp_name} does not require grad, so no gradient will reach the "
             "policy (was it computed under torch.no_grad(), or detached?)"
         )

@@ -62,6 +62,7 @@ import torch
 from torch import Tensor
 
 from klest._checks import (
+    ArgumentNames,
     ValueChecks,
     check_choice,
     check_direction,
@@ -237,7 +238,7 @@ def kl_reward(
             logp_behavior=None,
             mask=mask,
             checks=checks,
-            density_hint=False,  # a reward is on tokens: no density option to suggest
+            names=ArgumentNames(density_option=False),  # a reward is on tokens
         )
         checks.run()
         values = per_token_values(ratios.delta, estimator, direction).reshape(logp.shape)

@@ -17,7 +17,7 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from klest._checks import ValueChecks, resolve_validate
+from klest._checks import ArgumentNames, ValueChecks, named_by_caller, resolve_validate
 from klest._types import Baseline
 from klest.estimators import prepare_log_ratios
 from klest.penalty import kl_penalty
@@ -49,7 +49,7 @@ def peer_log_ratios(
     logp_behavior: Tensor | None = None,
     mask: Tensor | None,
     validate: bool | None,
-    names: tuple[str, str, str] = ("logp", "logp_ref", "logp_behavior"),
+    names: ArgumentNames,
 ) -> PeerLogRatios:
     """Check the log-probs (klest's rules: shapes, dtypes, no NaN / +inf / values above 0) and
     return their log-ratios (one host synchronisation for the value checks). ``names``: the
@@ -61,7 +61,6 @@ def peer_log_ratios(
         logp_behavior=logp_behavior,
         mask=mask,
         checks=checks,
-        density_hint=False,
         names=names,
     )
     checks.run()
@@ -82,17 +81,25 @@ class KlestOptions:
     validate: bool | None = None
 
     def per_token(
-        self, logp: Tensor, logp_ref: Tensor, *, grad: str, estimator: str = "k1"
+        self,
+        logp: Tensor,
+        logp_ref: Tensor,
+        *,
+        grad: str,
+        names: ArgumentNames,
+        estimator: str = "k1",
     ) -> Tensor:
-        """``klest.kl_penalty(..., reduction="none")``: per-token losses ``logp.shape``."""
-        penalty = kl_penalty(
-            logp,
-            logp_ref,
-            estimator=estimator,  # type: ignore[arg-type]
-            grad=grad,  # type: ignore[arg-type]
-            reduction="none",
-            **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
-        )
+        """``klest.kl_penalty(..., reduction="none")``: per-token losses ``logp.shape``; its
+        messages and warnings call the arguments ``names``."""
+        with named_by_caller(names):
+            penalty = kl_penalty(
+                logp,
+                logp_ref,
+                estimator=estimator,  # type: ignore[arg-type]
+                grad=grad,  # type: ignore[arg-type]
+                reduction="none",
+                **{f.name: getattr(self, f.name) for f in dataclasses.fields(self)},
+            )
         assert isinstance(penalty, Tensor)
         return penalty
 
@@ -122,14 +129,19 @@ def with_klest_gradient(
     *,
     grad: str,
     options: KlestOptions,
+    names: ArgumentNames,
 ) -> Tensor:
     """``value_of(logp - logp_ref)`` forward (no gradient), the per-token losses of
-    ``klest.kl_penalty(..., grad=grad, reduction="none")`` backward; 0 where masked.
+    ``klest.kl_penalty(..., grad=grad, reduction="none")`` backward; 0 where masked. ``names``:
+    the peer's names of the arguments, for the messages.
 
     :func:`klest.kl_penalty` checks the inputs, so the value's log-ratios are not checked twice.
     """
-    penalty = options.per_token(logp, logp_ref, grad=grad)  # k1: the cheapest value, replaced
+    # k1: the cheapest value, replaced by value_of's
+    penalty = options.per_token(logp, logp_ref, grad=grad, names=names)
     with torch.no_grad():
-        delta = peer_log_ratios(logp, logp_ref, mask=options.mask, validate=False).delta
+        delta = peer_log_ratios(
+            logp, logp_ref, mask=options.mask, validate=False, names=names
+        ).delta
         value = value_of(delta)
     return join(value.to(penalty.dtype), penalty)

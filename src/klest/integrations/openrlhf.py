@@ -53,7 +53,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from klest._checks import check_choice, check_flag
+from klest._checks import ArgumentNames, check_choice, check_flag
 from klest._numerics import exp_tail
 from klest._types import Baseline
 from klest.integrations._patch import Installed, replace_function
@@ -89,6 +89,11 @@ def _k3(delta: Tensor) -> Tensor:
     """OpenRLHF's k3 with its clips, computed without cancellation near r = 1."""
     return exp_tail(-delta.clamp(min=_K3_LOG_RATIO_MIN)).clamp(-_VALUE_CLIP, _VALUE_CLIP)
 
+
+_NAMES = ArgumentNames(
+    "log_probs", "log_probs_base", "log_probs_old", "action_mask", density_option=False
+)
+"""OpenRLHF's names of the log-probs and mask, for the messages."""
 
 _VALUES: dict[str, Callable[[Tensor], Tensor]] = {"k1": _k1, "k2": _k2, "k3": _k3}
 
@@ -193,7 +198,9 @@ def compute_approx_kl(
                 f"grad={grad!r} chooses klest's: pass one (with klest's gradient, turn "
                 "--algo.kl.unbiased_gradient off)"
             )
-        return with_klest_gradient(value_of, log_probs, log_probs_base, grad=grad, options=options)
+        return with_klest_gradient(
+            value_of, log_probs, log_probs_base, grad=grad, options=options, names=_NAMES
+        )
     dataclasses.replace(options, logp_behavior=None).refuse_for_peer()  # log_probs_old is used
     ratios = peer_log_ratios(
         log_probs,
@@ -201,7 +208,7 @@ def compute_approx_kl(
         logp_behavior=log_probs_old,
         mask=action_mask,
         validate=validate,
-        names=("log_probs", "log_probs_base", "log_probs_old"),
+        names=_NAMES,
     )
     value = value_of(ratios.delta)
     if not unbiased_gradient:

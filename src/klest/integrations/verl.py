@@ -55,7 +55,7 @@ from typing import Literal, cast
 import torch
 from torch import Tensor
 
-from klest._checks import check_choice, check_positive_int
+from klest._checks import ArgumentNames, check_choice, check_positive_int
 from klest._numerics import exp_tail
 from klest._types import Baseline, Reduction
 from klest.aggregation import aggregate, as_rows
@@ -122,6 +122,9 @@ def _k3(delta: Tensor) -> Tensor:
     x = (-delta).clamp(-_K3_LOG_RATIO_CLIP, _K3_LOG_RATIO_CLIP)
     return exp_tail(x).clamp(-_K3_VALUE_CLIP, _K3_VALUE_CLIP)
 
+
+_NAMES = ArgumentNames("logprob", "ref_logprob", "logp_behavior", "mask", density_option=False)
+"""The drop-in's names of the log-probs and mask, for the messages."""
 
 _VALUES: dict[str, Callable[[Tensor], Tensor]] = {
     "kl": _k1,
@@ -257,10 +260,11 @@ def kl_penalty(
                 f"grad={grad!r} chooses klest's: pass {base!r} with grad={grad!r}, or "
                 f"{kl_penalty!r} with grad='peer'"
             )
-        return with_klest_gradient(value_of, logprob, ref_logprob, grad=grad, options=options)
+        return with_klest_gradient(
+            value_of, logprob, ref_logprob, grad=grad, options=options, names=_NAMES
+        )
     options.refuse_for_peer()
-    names = ("logprob", "ref_logprob", "logp_behavior")
-    delta = peer_log_ratios(logprob, ref_logprob, mask=mask, validate=validate, names=names).delta
+    delta = peer_log_ratios(logprob, ref_logprob, mask=mask, validate=validate, names=_NAMES).delta
     if straight_through:
         return join(value_of(delta), _k2(delta))
     return value_of(delta)
@@ -288,7 +292,9 @@ def _full(
     keep = labels != -100  # kl_from_logits' ignore_index
     keep = keep if options.mask is None else keep & options.mask.bool()
     with_logits = dataclasses.replace(options, mask=keep, logits=logits, logits_ref=logits_ref)
-    penalty = with_logits.per_token(details.logp, details.logp_ref, grad=grad, estimator="rb")
+    penalty = with_logits.per_token(
+        details.logp, details.logp_ref, grad=grad, names=_NAMES, estimator="rb"
+    )
     if options.logp_behavior is None:
         return penalty  # rb's on-policy value is the exact per-position KL itself
     with torch.no_grad():  # off-policy rb weights its value; verl's value is unweighted
