@@ -1,6 +1,7 @@
 """What klest costs against the one-liner it replaces, on the sampled-token path (JSON out).
 
     python benchmarks/bench_overhead.py [--quick] [--out DIR] [--device cpu|cuda] [--threads N]
+                                        [--compile]
 
 Never a timed test: this writes medians and ratios against baselines measured in the same run to
 ``benchmarks/results/overhead-DEVICE.json`` (and appends the run to ``overhead-DEVICE.runs.jsonl``)
@@ -14,6 +15,10 @@ and prints a table. Cases, with validation on (klest's default):
 * ``k1``: ``klest.k1(..., reduction="none")`` on 10M samples against ``logp - logp_ref``, and the
   default (mean) reduction against ``(logp - logp_ref).mean()``.
 
+``--compile`` adds ``torch.compile``d forms of both sides of the ``kl_penalty`` case (klest's with
+``validate=False``, which compiles as one graph; the compile time is not counted) and writes
+``overhead-DEVICE-compiled.json`` instead.
+
 Times are medians of repeated calls after warm-up, klest's and the baseline's calls interleaved
 (CUDA: synchronized wall time, so the host time of the call counts), in wall time and in the
 calling thread's CPU time; ``--quick`` shrinks the sizes (a smoke test).
@@ -21,6 +26,7 @@ calling thread's CPU time; ``--quick`` shrinks the sizes (a smoke test).
 
 from __future__ import annotations
 
+import functools
 import os
 import platform
 import statistics
@@ -103,7 +109,7 @@ def _case(name: str, methods: dict[str, Callable[[], object]], tokens: int, devi
     }
 
 
-def penalty_case(b: int, t: int, device: str, reps: int) -> dict:
+def penalty_case(b: int, t: int, device: str, reps: int, *, compiled: bool = False) -> dict:
     g = torch.Generator(device=device).manual_seed(0)
     logp0 = -torch.rand(b, t, generator=g, device=device) * 3
     logp_ref = -torch.rand(b, t, generator=g, device=device) * 3
@@ -111,9 +117,8 @@ def penalty_case(b: int, t: int, device: str, reps: int) -> dict:
     mask[:, t - t // 10 :] = False
     group = torch.arange(b, device=device) // 8
 
-    def klest_step():
-        logp = logp0.clone().requires_grad_()
-        klest.kl_penalty(
+    def klest_penalty(logp, validate=None):
+        return klest.kl_penalty(
             logp,
             logp_ref,
             mask=mask,
@@ -121,19 +126,25 @@ def penalty_case(b: int, t: int, device: str, reps: int) -> dict:
             grad="cumulative",
             baseline="loo",
             group=group,
-        ).backward()
+            validate=validate,
+        )
 
-    def plain_step():
-        logp = logp0.clone().requires_grad_()
-        plain_penalty(logp, logp_ref, mask, 8).backward()
+    def step(penalty):
+        def run():
+            penalty(logp0.clone().requires_grad_()).backward()
 
-    return _case(
-        "kl_penalty k3/cumulative+loo fwd+bwd",
-        {"plain": plain_step, "klest": klest_step},
-        b * t,
-        device,
-        reps,
-    )
+        return run
+
+    def plain(logp):
+        return plain_penalty(logp, logp_ref, mask, 8)
+
+    methods = {"plain": step(plain), "klest": step(klest_penalty)}
+    if compiled:  # the warm-up calls compile
+        methods["plain, compiled"] = step(torch.compile(plain))
+        methods["klest, compiled, validate=False"] = step(
+            torch.compile(functools.partial(klest_penalty, validate=False), fullgraph=True)
+        )
+    return _case("kl_penalty k3/cumulative+loo fwd+bwd", methods, b * t, device, reps)
 
 
 def k1_cases(n: int, device: str, reps: int) -> list[dict]:
@@ -187,6 +198,11 @@ def main() -> None:
     ap = parser(__doc__)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="also time torch.compile'd kl_penalty forms (writes overhead-DEVICE-compiled.json)",
+    )
+    ap.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -208,10 +224,14 @@ def main() -> None:
         # Other processes and the C allocator move CPU timings: record both.
         "load_average_before": os.getloadavg(),
         "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
-        "cases": [penalty_case(b, t, device, reps), *k1_cases(n, device, reps)],
+        "compiled": args.compile,
+        "cases": [
+            penalty_case(b, t, device, reps, compiled=args.compile),
+            *k1_cases(n, device, reps),
+        ],
     }
     report["load_average_after"] = os.getloadavg()
-    name = f"overhead-{device}"
+    name = f"overhead-{device}" + ("-compiled" if args.compile else "")
     write_report(name, report, _table(report), args.out)
 
 

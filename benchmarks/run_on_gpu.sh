@@ -7,7 +7,8 @@
 #
 #   bash benchmarks/run_on_gpu.sh [DIR] [OVERHEAD_RUNS]
 #
-# Writes DIR/test-gpu.log, DIR/overhead-cuda.json and DIR/vocab-gpu.json (the last runs), with
+# Writes DIR/test-gpu.log, DIR/overhead-cuda.json, DIR/overhead-cuda-compiled.json (the overhead
+# case with torch.compile'd forms beside) and DIR/vocab-gpu.json (the last runs), with
 # every run appended to DIR/NAME.runs.jsonl. Exits non-zero if any step failed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,5 +25,6 @@ status=0
 for _ in $(seq "$runs"); do
     "$py" benchmarks/bench_overhead.py --device cuda --out "$out" || status=1
 done
+"$py" benchmarks/bench_overhead.py --device cuda --compile --out "$out" || status=1
 "$py" benchmarks/bench_gpu.py --out "$out" || status=1
 exit $status

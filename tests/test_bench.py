@@ -88,6 +88,18 @@ def test_overhead_quick_writes_every_case_and_appends_the_run(tmp_path):
     assert len(runs) == 2 and json.loads(runs[-1])["cases"] == report["cases"]
 
 
+def test_overhead_compile_writes_its_own_report_with_the_compiled_forms(tmp_path):
+    args = ("--quick", "--compile", "--out", str(tmp_path), "--device", "cpu")
+    done = run_script("bench_overhead", *args)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert not (tmp_path / "overhead-cpu.json").exists()
+    report = json.loads((tmp_path / "overhead-cpu-compiled.json").read_text())
+    assert report["compiled"] is True
+    penalty = report["cases"][0]["results"]
+    assert set(penalty) == {"plain", "klest", "plain, compiled", "klest, compiled, validate=False"}
+    assert all(math.isfinite(r["ratio"]) for r in penalty.values())
+
+
 def test_plain_penalty_is_the_same_math_as_kl_penalty(monkeypatch):
     """The benchmark's baseline computes what klest computes (value and gradient), so the
     ratio compares like with like."""

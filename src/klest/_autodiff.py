@@ -17,7 +17,7 @@ from torch.autograd import forward_ad
 def transforms_active() -> bool:
     """Whether a forward-mode AD level or a functorch transform is active (a C call and an
     attribute read: well under a microsecond)."""
-    if getattr(forward_ad, "_current_level", -1) >= 0:
+    if getattr(forward_ad, "_current_level", -1) >= 0 or torch.compiler.is_compiling():
         return True
     active = getattr(torch._C, "_are_functorch_transforms_active", None)
     return bool(active()) if active is not None else False

@@ -18,7 +18,6 @@ and gives the first one; only then are more synchronisations spent on the messag
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import math
 import warnings
@@ -52,25 +51,27 @@ class ArgumentNames:
 
 KLEST_NAMES = ArgumentNames()
 
-_caller_names: contextvars.ContextVar[ArgumentNames] = contextvars.ContextVar(
-    "klest_caller_names", default=KLEST_NAMES
-)
+# A module global rather than a ContextVar: torch.compile traces a global's read, and breaks
+# the graph at ContextVar.get. (Two threads calling at once could see each other's names, in
+# messages only.)
+_caller_names = KLEST_NAMES
 
 
 @contextlib.contextmanager
 def named_by_caller(names: ArgumentNames) -> Iterator[None]:
     """Within the block, :func:`klest.kl_penalty` names its arguments as ``names`` (a drop-in
     calls it with its peer's arguments)."""
-    token = _caller_names.set(names)
+    global _caller_names
+    outer, _caller_names = _caller_names, names
     try:
         yield
     finally:
-        _caller_names.reset(token)
+        _caller_names = outer
 
 
 def caller_names() -> ArgumentNames:
     """The names set by the innermost :func:`named_by_caller` (klest's own by default)."""
-    return _caller_names.get()
+    return _caller_names
 
 
 def set_default_validate(value: bool) -> None:

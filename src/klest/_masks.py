@@ -48,6 +48,8 @@ def keep_valid(x: Tensor, valid: Tensor, bits: Tensor | None = None) -> Tensor:
 def keep_valid_into(out: Tensor, x: Tensor, valid: Tensor, bits: Tensor | None = None) -> Tensor:
     """:func:`keep_valid` of a detached ``x`` written into ``out`` (same shape and dtype; a
     view of a larger tensor is fine)."""
+    if transforms_active():  # out= into a strided view: neither traced nor batched
+        return out.copy_(torch.where(valid, x.detach(), 0.0))
     if bits is None:
         bits = mask_bits(valid, x.dtype)
     torch.bitwise_and(x.detach().view(bits.dtype), bits, out=out.view(bits.dtype))

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from klest._autodiff import transforms_active
+
 
 def sum_from_here(x: Tensor) -> Tensor:
     """``out[:, t] = sum_{u >= t} x[:, u]`` (reverse cumulative sum over tokens), as the row total
@@ -95,6 +97,8 @@ class ShiftBuffer:
             return self.data.clone() if out is None else out.copy_(self.data)
         if out is None:
             return self._windows_view.index_select(0, self._starts + offset)
+        if transforms_active():  # out= into a strided view: neither traced nor batched
+            return out.copy_(self._windows_view.index_select(0, self._starts + offset))
         return torch.index_select(self._windows_view, 0, self._starts + offset, out=out)
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from klest._autodiff import transforms_active
 from klest._checks import ValueChecks, check_decay, check_tensor, resolve_validate
 from klest._masks import keep_valid_into
 from klest.sequence import ShiftBuffer, first_token
@@ -248,7 +249,10 @@ def group_baseline(
     sums, counts = pooled[:, :t], pooled[:, t:].clamp_(min=1)
     if first is None:
         return sums.div_(counts)
-    torch.div(sums, counts, out=values.data)  # the buffer's rows are free again: reuse them
+    if transforms_active():  # out= into a strided view: neither traced nor batched
+        values.data.copy_(sums / counts)
+    else:
+        torch.div(sums, counts, out=values.data)  # the buffer's rows are free again: reuse them
     return values.shifted_right(first)
 
 
