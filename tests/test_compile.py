@@ -61,7 +61,10 @@ CASES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
         mask=MASK,
         validate=False,
     ),
+    "k1": lambda lp: klest.k1(lp, LR, mask=MASK, validate=False),
+    "k2": lambda lp: klest.k2(lp, LR, mask=MASK, validate=False),
     "k3": lambda lp: klest.k3(lp, LR, mask=MASK, validate=False),
+    "cv": lambda lp: klest.cv(lp, LR, alpha=0.7, mask=MASK, validate=False),
     "kl_reward": lambda lp: klest.kl_reward(lp, LR, mask=MASK, validate=False) * lp,
 }
 
