@@ -20,6 +20,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
+import sys
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, get_args
@@ -114,6 +116,19 @@ def resolve_validate(validate: bool | None) -> bool:
     return validate
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def warn_at_caller(message: str, category: type[Warning]) -> None:
+    """``warnings.warn`` attributed to the first frame outside klest: the line of the user's
+    code (or of the trainer's) that called into klest, however deep the call went inside it
+    (a drop-in calling :func:`klest.kl_penalty`, a trainer hook...)."""
+    frame, stacklevel = sys._getframe(1), 2
+    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+        frame, stacklevel = frame.f_back, stacklevel + 1
+    warnings.warn(message, category, stacklevel=stacklevel)
+
+
 _WARNED_ONCE: set[str] = set()
 """The keys of the once-per-process warnings already given (:meth:`ValueChecks.warn_once`)."""
 
@@ -149,7 +164,7 @@ class ValueChecks:
         if self.enabled:
             self._items.append((flag.detach(), None, None))
 
-    def run(self, *, stacklevel: int = 3) -> list[bool]:
+    def run(self) -> list[bool]:
         """Read every check and probe at once; raise for the first failed check, give the
         warnings, and return the probes' values (in the order they were registered)."""
         if not self._items:
@@ -172,7 +187,7 @@ class ValueChecks:
                 warned.append((key, message(flags)))
         for key, text in warned:
             _WARNED_ONCE.add(key)
-            warnings.warn(text, UserWarning, stacklevel=stacklevel)
+            warn_at_caller(text, UserWarning)
         return probes
 
 

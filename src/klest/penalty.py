@@ -77,7 +77,6 @@ References:
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
@@ -97,6 +96,7 @@ from klest._checks import (
     check_group,
     check_same_shape,
     resolve_validate,
+    warn_at_caller,
 )
 from klest._types import (
     DEFAULT_REDUCTION,
@@ -414,7 +414,7 @@ def _check_exact_kl_baseline(grad: str, direction: str, baseline: str) -> None:
 
 
 def _warn(message: str) -> None:
-    warnings.warn(message, KLGradientWarning, stacklevel=3)
+    warn_at_caller(message, KLGradientWarning)
 
 
 def _check_rules(

@@ -56,7 +56,6 @@ Schulman (2020, http://joschu.net/blog/kl-approx.html).
 from __future__ import annotations
 
 import math
-import warnings
 
 import torch
 from torch import Tensor
@@ -69,6 +68,7 @@ from klest._checks import (
     check_flag,
     check_tensor,
     resolve_validate,
+    warn_at_caller,
 )
 from klest._types import Direction, Estimator
 from klest.aggregation import as_rows
@@ -215,7 +215,7 @@ def kl_reward(
             "(1-D input holds independent one-token samples). For one sequence pass logp[None]"
         )
     if estimator != "k1":
-        warnings.warn(
+        warn_at_caller(
             f"kl_reward(estimator={estimator!r}): as a reward (whose gradient is its score "
             "term), only k1 gives the gradient of KL(pi||ref); "
             + (
@@ -226,7 +226,6 @@ def kl_reward(
                 else f"{estimator}'s value is biased too; reward with estimator='k1'"
             ),
             KLGradientWarning,
-            stacklevel=2,
         )
     with torch.no_grad():
         # kl_estimate's per-token values (reduction="none"), by its own steps: the log-ratios

@@ -32,7 +32,6 @@ TRL does not expose as an extension point: the supported TRL versions are the te
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -47,7 +46,7 @@ except ImportError as e:  # pragma: no cover - exercised only without the extra
         "klest.integrations.trl needs TRL: pip install 'klest[trl]' (trl>=1.16,<1.17)"
     ) from e
 
-from klest._checks import check_choice, check_direction
+from klest._checks import check_choice, check_direction, warn_at_caller
 from klest._types import Baseline, Direction, Estimator, Grad, Reduction
 from klest.aggregation import WithDetails
 from klest.integrations.hf import group_ids_from_prompts
@@ -230,12 +229,11 @@ class _KLTermInLoss:
             )
         changed = _sampling_changes(self.args)
         if changed:
-            warnings.warn(
+            warn_at_caller(
                 f"the completions are sampled with {', '.join(changed)}, not from "
                 "pi = softmax(logits / temperature), whose log-probs the KL term uses: its value "
                 "and gradient are biased for KL(pi||ref) (TRL's own KL term too)",
                 KLGradientWarning,
-                stacklevel=3,
             )
 
     def _get_per_token_logps_and_entropies(self, model, *args, **kwargs):
