@@ -346,7 +346,7 @@ def uses_state(o: Options, e: Extras) -> bool:
     return o.baseline in ("ema", "loo-scale-ema") or (o.estimator == "cv" and e.alpha == "ema")
 
 
-def order_dependent(o: Options, e: Extras) -> bool:
+def order_dependent(o: Options | RewardOptions, e: Extras) -> bool:
     """Cross-fitting splits each group's rows into two folds alternating in row order
     (``klest.control_variates`` and ``klest.adaptive``): permuting rows changes the folds."""
     return o.baseline == "loo-fitted" or (o.estimator == "cv" and e.alpha == "crossfit")
@@ -526,22 +526,101 @@ def test_every_option_combination_runs_or_is_refused_by_the_options_alone(name):
 
 # -- kl_penalty: drawn batches ---------------------------------------------------------------------
 
-EXAMPLES = 1500
+
+@dataclass(frozen=True)
+class RewardOptions:
+    """One combination of :func:`klest.kl_reward`'s options (per token: ``reduction="none"``)."""
+
+    estimator: str
+    reward_to_go: bool
+    discount: float
+    baseline: None = None
+    reduction: str = "none"
+    reparameterized: bool = False
 
 
-def assert_sound(r: Result, x: Inputs, dtype: torch.dtype, what: str) -> None:
-    """Rules 1 and 5, and the gradient half of rule 6: finite, 0 gradient under the mask,
-    the loss and per-sequence values in the compute dtype."""
+ESTIMATE_OPTIONS = [
+    Options(estimator, "autodiff", None, direction, level, reduction, off_policy, False)
+    for estimator, direction, level, reduction, off_policy in itertools.product(
+        ESTIMATORS, DIRECTIONS, ("token", "sequence"), REDUCTIONS, (False, True)
+    )
+    if level == "token" or reduction in SEQUENCE_REDUCTIONS
+]
+REWARD_OPTIONS = [
+    RewardOptions(estimator, reward_to_go, discount)
+    for estimator, reward_to_go, discount in itertools.product(
+        ("k1", "k2", "k3", "abs"), (False, True), (1.0, 0.8)
+    )
+    if reward_to_go or discount == 1.0
+]
+
+
+def estimate(x: Inputs, o: Options, e: Extras) -> Result:
+    """``kl_estimate`` with the value options of ``o`` (its gradient: autodiff of the value)."""
+    alpha = None
+    if o.estimator == "cv":
+        alpha = klest.AlphaEMA(decay=0.5) if e.alpha == "ema" else e.alpha
+    rb = o.estimator == "rb"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small groups under a fitted alpha warn
+        for _ in range(2 if uses_state(o, e) else 1):
+            out = klest.kl_estimate(
+                x.logp,
+                x.logp_ref,
+                estimator=o.estimator,
+                direction=o.direction,
+                mask=x.mask,
+                reduction=o.reduction,
+                level=o.level,
+                alpha=alpha,
+                group=x.group if isinstance(alpha, str) else None,
+                logp_behavior=x.logp_behavior if o.off_policy else None,
+                logits=x.logits if rb else None,
+                logits_ref=x.logits_ref if rb else None,
+            )
+    return Result(out.detach(), None, backward(out, x))
+
+
+def reward(x: Inputs, o: RewardOptions, e: Extras) -> Result:
+    """``kl_reward`` (no graph: no gradient to check)."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # estimators other than k1 warn
+        out = klest.kl_reward(
+            x.logp,
+            x.logp_ref,
+            mask=x.mask,
+            estimator=o.estimator,
+            discount=o.discount,
+            reward_to_go=o.reward_to_go,
+        )
+    assert not out.requires_grad
+    return Result(out, None, {})
+
+
+CALLS = {
+    "kl_penalty": (penalty, st.sampled_from(ACCEPTED)),
+    "kl_estimate": (estimate, st.sampled_from(ESTIMATE_OPTIONS)),
+    "kl_reward": (reward, st.sampled_from(REWARD_OPTIONS)),
+}
+EXAMPLES = 400
+each_call = pytest.mark.parametrize("call", list(CALLS))
+
+
+def assert_sound(r: Result, x: Inputs, dtype: torch.dtype, reduction: str, what: str) -> None:
+    """Rules 1 and 5, and the gradient half of rule 6: finite, 0 gradient under the mask (and
+    0 values there under ``"none"``), the loss and per-sequence values in the compute dtype."""
     assert_finite(r, what)
     assert_masked_gradient_zero(r, x, what)
+    if reduction == "none":
+        assert not bool(r.loss[~x.mask].any()), f"{what}: a masked position's value is not 0"
     assert r.loss.dtype == compute_dtype(dtype), f"{what}: loss dtype {r.loss.dtype}"
     if r.per_sequence is not None:
         assert r.per_sequence.dtype == compute_dtype(dtype), f"{what}: per-sequence dtype"
 
 
-def rows_except(r: Result, at: int, reduction: str) -> Result:
+def rows_except(r: Result, at: int, rows: int, reduction: str) -> Result:
     """``r`` without index ``at`` of the first dimension (the reductions that keep it)."""
-    keep = [i for i in range(r.grads["logp"].shape[0]) if i != at]
+    keep = [i for i in range(rows) if i != at]
     loss = r.loss[keep] if reduction in ("none", "per-sequence") else r.loss
     per_sequence = None if r.per_sequence is None else r.per_sequence[keep]
     return Result(loss, per_sequence, {k: g[keep] for k, g in r.grads.items()})
@@ -554,76 +633,86 @@ def relabelled(batch: Batch, new_ids: list[int]) -> Batch:
     return replace(batch, group=mapped[torch.searchsorted(ids, batch.group)])
 
 
-@given(batch=trainer_batches(), o=st.sampled_from(ACCEPTED), e=extras)
+@each_call
+@given(batch=trainer_batches(), e=extras, data=st.data())
 @settings(max_examples=EXAMPLES, deadline=None)
-def test_kl_penalty_left_and_right_padding_agree(batch, o, e):
+def test_left_and_right_padding_agree(call, batch, e, data):
     """Rules 1, 2, 5: the same completions, left- or right-padded (garbage under the mask)."""
+    fn, options = CALLS[call]
+    o = data.draw(options, label="options")
     right_x = inputs(batch, ref_grad=o.reparameterized)
     left_x = inputs(batch, layout="left", ref_grad=o.reparameterized)
-    right, left = penalty(right_x, o, e), penalty(left_x, o, e)
-    assert_sound(right, right_x, batch.dtype, f"{o} right-padded")
-    assert_sound(left, left_x, batch.dtype, f"{o} left-padded")
+    right, left = fn(right_x, o, e), fn(left_x, o, e)
+    assert_sound(right, right_x, batch.dtype, o.reduction, f"{o} right-padded")
+    assert_sound(left, left_x, batch.dtype, o.reduction, f"{o} left-padded")
     assert_results_close(unrolled(left, batch, o.reduction), right, batch.dtype, f"{o}")
 
 
-@given(
-    batch=trainer_batches(),
-    o=st.sampled_from(ACCEPTED),
-    e=extras,
-    layout=st.sampled_from(("left", "right")),
-)
+@each_call
+@given(batch=trainer_batches(), e=extras, layout=st.sampled_from(("left", "right")), data=st.data())
 @settings(max_examples=EXAMPLES, deadline=None)
-def test_kl_penalty_never_reads_what_the_mask_hides(batch, o, e, layout):
+def test_what_the_mask_hides_is_never_read(call, batch, e, layout, data):
     """Rule 6: NaN / inf / 5.0 under the mask give, bit for bit, the result of zeros there."""
+    fn, options = CALLS[call]
+    o = data.draw(options, label="options")
     x = inputs(batch, layout=layout, ref_grad=o.reparameterized)
-    with_garbage = penalty(x, o, e)
-    assert_sound(with_garbage, x, batch.dtype, f"{o}")
-    clean = penalty(inputs(batch, layout=layout, garbage=False, ref_grad=o.reparameterized), o, e)
+    with_garbage = fn(x, o, e)
+    assert_sound(with_garbage, x, batch.dtype, o.reduction, f"{o}")
+    clean = fn(inputs(batch, layout=layout, garbage=False, ref_grad=o.reparameterized), o, e)
     assert_results_equal(with_garbage, clean, f"{o}")
 
 
-@given(batch=trainer_batches(), o=st.sampled_from(ACCEPTED), e=extras, data=st.data())
+@each_call
+@given(batch=trainer_batches(), e=extras, data=st.data())
 @settings(max_examples=EXAMPLES, deadline=None)
-def test_kl_penalty_ignores_an_extra_empty_row(batch, o, e, data):
+def test_an_extra_empty_row_changes_nothing(call, batch, e, data):
     """Rule 3: an empty row (in a group of its own or another's, garbage under its mask) leaves
     the other rows' values and gradients and the reductions unchanged; its gradient is 0."""
+    fn, options = CALLS[call]
+    o = data.draw(options, label="options")
     at = data.draw(st.integers(0, batch.lead[0]), label="at")
     old_ids = batch.group.reshape(-1).tolist()
     group_id = data.draw(st.sampled_from(old_ids) | st.integers(-(2**40), 2**40), label="id")
-    base = penalty(inputs(batch, ref_grad=o.reparameterized), o, e)
+    base = fn(inputs(batch, ref_grad=o.reparameterized), o, e)
     x = inputs(with_empty_row(batch, at, group_id), ref_grad=o.reparameterized)
-    extended = penalty(x, o, e)
-    assert_sound(extended, x, batch.dtype, f"{o}")
+    extended = fn(x, o, e)
+    assert_sound(extended, x, batch.dtype, o.reduction, f"{o}")
     for k, g in extended.grads.items():
         assert not bool(g[at].any()), f"{o}: the empty row's gradient to {k} is not 0"
-    assert not bool(extended.per_sequence[at].any()), f"{o}: the empty row's value is not 0"
+    if extended.per_sequence is not None:
+        assert not bool(extended.per_sequence[at].any()), f"{o}: the empty row's value is not 0"
     if o.reduction in ("none", "per-sequence"):
         assert not bool(extended.loss[at].any()), f"{o}: the empty row's loss is not 0"
-    assert_results_close(rows_except(extended, at, o.reduction), base, batch.dtype, f"{o}")
+    others = rows_except(extended, at, batch.lead[0] + 1, o.reduction)
+    assert_results_close(others, base, batch.dtype, f"{o}")
 
 
-@given(batch=trainer_batches(), o=st.sampled_from(ACCEPTED), e=extras, data=st.data())
+@each_call
+@given(batch=trainer_batches(), e=extras, data=st.data())
 @settings(max_examples=EXAMPLES, deadline=None)
-def test_kl_penalty_group_ids_are_labels_and_rows_have_no_order(batch, o, e, data):
+def test_group_ids_are_labels_and_rows_have_no_order(call, batch, e, data):
     """Rule 4: group ids mapped injectively change nothing, bit for bit; permuting the rows
     permutes the per-sequence values, losses and gradients (except under cross-fitting, whose
     folds alternate in row order)."""
+    fn, options = CALLS[call]
+    o = data.draw(options, label="options")
     x = inputs(batch, ref_grad=o.reparameterized)
-    base = penalty(x, o, e)
-    assert_sound(base, x, batch.dtype, f"{o}")
+    base = fn(x, o, e)
+    assert_sound(base, x, batch.dtype, o.reduction, f"{o}")
     new_ids = data.draw(
         st.lists(st.integers(-(2**62), 2**62), min_size=MAX_ROWS, max_size=MAX_ROWS, unique=True),
         label="new ids",
     )
-    renamed = penalty(inputs(relabelled(batch, new_ids), ref_grad=o.reparameterized), o, e)
+    renamed = fn(inputs(relabelled(batch, new_ids), ref_grad=o.reparameterized), o, e)
     assert_results_equal(renamed, base, f"{o} relabelled")
     if order_dependent(o, e):
         return
     order = torch.tensor(data.draw(st.permutations(range(batch.lead[0])), label="order"))
-    moved = penalty(inputs(permuted(batch, order), ref_grad=o.reparameterized), o, e)
+    moved = fn(inputs(permuted(batch, order), ref_grad=o.reparameterized), o, e)
     loss = base.loss[order] if o.reduction in ("none", "per-sequence") else base.loss
+    per_sequence = None if base.per_sequence is None else base.per_sequence[order]
     grads = {k: g[order] for k, g in base.grads.items()}
-    assert_results_close(moved, Result(loss, base.per_sequence[order], grads), batch.dtype, f"{o}")
+    assert_results_close(moved, Result(loss, per_sequence, grads), batch.dtype, f"{o}")
 
 
 @given(batch=trainer_batches(), o=st.sampled_from(REFUSED), e=extras)
