@@ -757,3 +757,68 @@ def test_cross_fitting_folds_skip_empty_rows(fit):
     torch.testing.assert_close(value2[others] if value.ndim else value2, value, rtol=1e-14, atol=0)
     torch.testing.assert_close(grad2[others], grad, rtol=1e-14, atol=0)
     assert not grad2[1].any()
+
+
+# -- kl_from_logits(labels=...) feeding kl_penalty -------------------------------------------------
+
+SAMPLED_TOKEN_OPTIONS = [o for o in ACCEPTED if not o.reparameterized]
+
+
+def from_labels(batch: Batch, o: Options, e: Extras, *, layout: str, garbage: bool = True):
+    """The trainer's path: log-probs of the sampled tokens from ``kl_from_logits(labels=...)``
+    (-100 at padding, garbage in the logits there), then ``kl_penalty`` on them with the mask
+    ``labels != -100``. Returns the per-position KLs, the details, the penalty's Result (its
+    gradient to ``d.logp`` and, through both paths, to the logits) and the inputs."""
+    x = inputs(batch, layout=layout, garbage=garbage)
+    arrange = (lambda t: t) if layout == "right" else (lambda t: to_left(t, batch))
+    labels = arrange(torch.where(batch.mask(), batch.labels, -100))
+    kl, d = klest.kl_from_logits(
+        x.logits,
+        x.logits_ref,
+        labels=labels,
+        direction=o.direction,
+        reduction="none",
+        return_details=True,
+    )
+    x = replace(x, logp=d.logp, logp_ref=d.logp_ref, mask=labels != -100)
+    return kl.detach(), d, penalty(x, o, e), x
+
+
+@given(
+    batch=trainer_batches(),
+    o=st.sampled_from(SAMPLED_TOKEN_OPTIONS),
+    e=extras,
+    layout=st.sampled_from(("left", "right")),
+)
+@settings(max_examples=EXAMPLES // 2, deadline=None)
+def test_kl_from_logits_labels_feed_kl_penalty(batch, o, e, layout):
+    """``labels`` with -100 at padding: the label log-probs and per-position KLs are the float64
+    softmax's (written here) at the kept positions and 0 at the ignored ones; the penalty on them
+    is sound (rules 1, 5, 6), agrees between layouts (rule 2) and with zeros in the ignored
+    logits, bit for bit (rule 6)."""
+    kl, d, r, x = from_labels(batch, o, e, layout=layout)
+    assert_sound(r, x, batch.dtype, o.reduction, f"{o}")
+    arrange = (lambda t: t) if layout == "right" else (lambda t: to_left(t, batch))
+    rounded = [arrange(t).to(batch.dtype).double() for t in (batch.logits, batch.logits_ref)]
+    lp, lq = (t.log_softmax(-1) for t in rounded)
+    label = arrange(batch.labels).unsqueeze(-1)
+    want_kl = (
+        (lp.exp() * (lp - lq)).sum(-1)
+        if o.direction == "pi||ref"
+        else (lq.exp() * (lq - lp)).sum(-1)
+    )
+    for got, want, what in (
+        (d.logp, lp.gather(-1, label).squeeze(-1), "logp"),
+        (d.logp_ref, lq.gather(-1, label).squeeze(-1), "logp_ref"),
+        (kl, want_kl, "per-position KL"),
+    ):
+        assert not bool(got.detach()[~x.mask].any()), f"{what} is not 0 at ignored labels"
+        assert_close_up_to_rounding(
+            got.detach()[x.mask], want[x.mask], batch.dtype, f"{what} vs float64 log_softmax"
+        )
+    other = "right" if layout == "left" else "left"
+    *_, r_other, _ = from_labels(batch, o, e, layout=other)
+    left, right = (r, r_other) if layout == "left" else (r_other, r)
+    assert_results_close(unrolled(left, batch, o.reduction), right, batch.dtype, f"{o}")
+    *_, clean, _ = from_labels(batch, o, e, layout=layout, garbage=False)
+    assert_results_equal(r, clean, f"{o}")
