@@ -60,15 +60,16 @@ def mix_reference(delta: torch.Tensor, valid: torch.Tensor, direction: str) -> t
 
 
 def scale_reference(targets: torch.Tensor, valid: torch.Tensor, keys: list[int]) -> torch.Tensor:
-    """lambda_i by loops: folds alternate within each group (in row order); the other fold's
-    sum of A_j B'_j over sum of B'_j^2 (B'_j: the mean of j's fold-mates in its group at the
-    same position, counted from each row's first valid token), clipped to [0, 1]."""
+    """lambda_i by loops: folds alternate within each group (in row order) over its non-empty
+    rows (empty rows alternate apart); the other fold's sum of A_j B'_j over sum of B'_j^2
+    (B'_j: the mean of j's fold-mates in its group at the same position, counted from each
+    row's first valid token), clipped to [0, 1]."""
     rows = targets.shape[0]
-    seen: dict[int, int] = {}
+    seen: dict[tuple[int, bool], int] = {}
     fold = []
-    for k in keys:
-        fold.append(seen.get(k, 0) % 2)
-        seen[k] = seen.get(k, 0) + 1
+    for k, empty in zip(keys, (~valid.any(-1)).tolist(), strict=True):
+        fold.append(seen.get((k, empty), 0) % 2)
+        seen[k, empty] = seen.get((k, empty), 0) + 1
     aligned = [
         [float(targets[i, t]) for t in range(targets.shape[1]) if valid[i, t]] for i in range(rows)
     ]

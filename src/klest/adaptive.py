@@ -37,16 +37,16 @@ correlation of the score's norm with ``A``)
 
 no baseline when the mean is small against its noise (low KL), the full baseline when it is
 large. klest cross-fits the regression itself: the rows of each group are split into two folds
-(alternating); on one fold, with ``B'_j`` the leave-one-out mean *within the fold*,
-:math:`\lambda = \sum_j A_j B'_j / \sum_j B'^2_j` (over the positions where ``B'_j`` exists,
-pooled over groups), clipped to [0, 1], is applied to the other fold. ``B'`` averages fewer rows
-than ``B`` (m' = m/2 - 1 or so), so this estimates :math:`\mu^2/(\mu^2 + \sigma^2/m')`: smaller
-than :math:`\lambda^*`, on purpose. Correcting it to m (the formula above) was measured to
-overshoot the best fixed scale at low KL (0.5 against 0.25 on a tabular policy, batches of 8),
-because the score's norm and the correlations between positions that the formula ignores pull
-the optimum down; the cross-fitted regression undershoots instead, which at high KL costs a few
-percent against the full baseline and at low KL saves most of what the full baseline loses.
-Nothing in it depends on the rows it is applied to.
+(alternating over its non-empty rows); on one fold, with ``B'_j`` the leave-one-out mean *within
+the fold*, :math:`\lambda = \sum_j A_j B'_j / \sum_j B'^2_j` (over the positions where ``B'_j``
+exists, pooled over groups), clipped to [0, 1], is applied to the other fold. ``B'`` averages
+fewer rows than ``B`` (m' = m/2 - 1 or so), so this estimates :math:`\mu^2/(\mu^2 +
+\sigma^2/m')`: smaller than :math:`\lambda^*`, on purpose. Correcting it to m (the formula
+above) was measured to overshoot the best fixed scale at low KL (0.5 against 0.25 on a tabular
+policy, batches of 8), because the score's norm and the correlations between positions that the
+formula ignores pull the optimum down; the cross-fitted regression undershoots instead, which at
+high KL costs a few percent against the full baseline and at low KL saves most of what the full
+baseline loses. Nothing in it depends on the rows it is applied to.
 
 References: the control-variate view of baselines and k3 in "Approximating KL Divergence" by
 John Schulman (2020, http://joschu.net/blog/kl-approx.html); k1's pathwise gradient against
@@ -173,7 +173,7 @@ def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor, *, align: bool 
     """
     x = torch.where(valid, targets.detach().double(), 0.0)
     rows = x.shape[0]
-    fold = _position_in_group(keys) % 2
+    fold = _position_in_group(keys, valid.any(-1)) % 2  # empty rows shift no other row's fold
     # Groups split by fold: keys + rows * fold < 2 rows, so pad with as many invalid rows.
     fold_keys = torch.cat([keys + rows * fold, keys])  # the padding rows' keys: never valid
     padded_valid = torch.cat([valid, torch.zeros_like(valid)])

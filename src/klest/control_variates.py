@@ -5,7 +5,8 @@ samples it is applied to correlates alpha with the samples and biases the estima
 *other* samples keeps ``E[alpha * u] = E[alpha] E[u] = 0``. So klest fits alpha
 
 - ``"loo"``: for each row from all the other rows (leave-one-out),
-- ``"crossfit"``: for even rows from the odd rows and vice versa (two folds),
+- ``"crossfit"``: for even rows from the odd rows and vice versa (two folds; rows with no
+  valid token are not counted, so padding rows change no other row's fold),
 - within groups of rows when ``group`` ids are given (e.g. the samples of one prompt),
 - with :class:`AlphaEMA`: from an exponential moving average of earlier batches' moments,
 
@@ -80,8 +81,14 @@ def _alpha(s: _Sums) -> Tensor:
     return torch.where(ok, -cov / torch.where(ok, var, 1.0), 0.0)
 
 
-def _position_in_group(keys: Tensor) -> Tensor:
-    """0, 1, 2, ... for the rows of each group (rows sharing a key), in row order."""
+def _position_in_group(keys: Tensor, counted: Tensor | None = None) -> Tensor:
+    """0, 1, 2, ... for the rows of each group (rows sharing a key), in row order.
+
+    ``counted`` (bool ``[rows]``): only these rows are numbered within their group; the others
+    (empty rows) are numbered apart, so that a padding row changes no other row's number.
+    """
+    if counted is not None:
+        keys = torch.where(counted, keys, keys + keys.numel())
     sorted_keys, order = torch.sort(keys, stable=True)
     first = torch.searchsorted(sorted_keys, sorted_keys, right=False)
     pos = torch.empty_like(keys)
@@ -121,7 +128,7 @@ def fit_alpha(
         return _alpha(totals)
     if method == "loo":
         return _alpha(totals.minus(per_row))
-    fold = keys * 2 + _position_in_group(keys) % 2
+    fold = keys * 2 + _position_in_group(keys, valid.any(-1)) % 2
     own_fold = per_row.pool(fold, 2 * rows).take(fold)
     return _alpha(totals.minus(own_fold))
 
