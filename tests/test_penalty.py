@@ -738,6 +738,24 @@ def test_a_sample_alone_in_its_group_gets_leave_one_out_baseline_zero(grad):
     assert not torch.allclose(g_loo, g_plain)  # rows with company do get a baseline
 
 
+def test_singleton_count_is_of_samples_with_tokens():
+    """An empty row is no sample: it neither counts as alone in its group nor keeps a group
+    mate from being alone (whose leave-one-out baseline is 0 either way)."""
+    s = make("tabular").sample(5, generator=make_generator(25))
+    mask = s.mask.clone()
+    mask[1] = False  # row 0's only group mate is empty: row 0 is alone
+    mask[4] = False  # row 4 is alone in its group, but empty
+    _, details = klest.kl_penalty(
+        s.logp,
+        s.logp_ref,
+        mask=mask,
+        baseline="loo",
+        group=torch.tensor([7, 7, 3, 3, 9]),
+        return_details=True,
+    )
+    assert details.n_singleton_samples == 1
+
+
 @pytest.mark.parametrize(
     ("dtype", "expected"),
     [

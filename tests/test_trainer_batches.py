@@ -422,7 +422,9 @@ def penalty(x: Inputs, o: Options, e: Extras) -> Result:
             return_details=True,
         ),
     )
-    ids = Counter(x.group.reshape(-1).tolist()) if grouped else {}
+    # Samples with a valid token, alone among such samples in their group (empty rows are none).
+    nonempty = x.mask.reshape(-1, x.mask.shape[-1]).any(-1)
+    ids = Counter(x.group.reshape(-1)[nonempty].tolist()) if grouped else {}
     singletons = sum(n == 1 for n in ids.values())
     assert details.n_singleton_samples == singletons, f"{o}: {details.n_singleton_samples} alone"
     return Result(loss.detach(), details.per_sequence, backward(loss, x))

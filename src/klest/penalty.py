@@ -133,7 +133,6 @@ from klest.surrogates import (
     BaselineEMA,
     exact_kl_baseline,
     group_baseline,
-    group_sizes,
     join,
     starts_late,
 )
@@ -152,7 +151,8 @@ class PenaltyDetails(NamedTuple):
         (``[N]`` for 1-D input); 0 for a row with no valid token.
       diagnostics: mean, standard error, fraction of negative values and counts of the value
         estimate under the call's reduction (its ``mean`` is the loss for mean reductions).
-      n_singleton_samples: samples alone in their group (leave-one-out gives them baseline 0).
+      n_singleton_samples: samples (rows with a valid token) with no other such row in their
+        group (leave-one-out gives them baseline 0); empty rows are not samples.
     """
 
     per_sequence: Tensor
@@ -730,8 +730,10 @@ def kl_penalty(
     if not return_details:
         return loss
     singletons = 0
-    if keys is not None:
-        singletons = int((group_sizes(keys) == 1).sum())
+    if keys is not None:  # samples with tokens whose group has no other sample with tokens
+        kept = keys if lr.valid is None else keys[lr.valid.any(-1)]
+        per_group = torch.zeros_like(keys).index_add_(0, kept, torch.ones_like(kept))
+        singletons = int((per_group == 1).sum())  # keys are group indices below the row count
     details = PenaltyDetails(
         per_sequence=value.reduce("per-sequence").detach(),
         diagnostics=value.diagnostics(reduction),
