@@ -572,17 +572,26 @@ def test_what_klest_says_the_real_verl_does_where_it_differs():
         assert float(verl.agg_loss(lp, empty, mode)) == 0.0
 
 
-def _real_ppo_loss_and_gradient(losses, logp, logp_ref, mask, prompt_len=3):
+def _real_ppo_loss_and_gradient(
+    losses,
+    logp,
+    logp_ref,
+    mask,
+    prompt_len=3,
+    *,
+    kl_loss_type="low_var_kl",
+    loss_agg_mode="seq-mean-token-sum",
+):
     """verl's actor loss (``losses.ppo_loss``, the real one) on one micro-batch in the layout its
     ``no_padding_2_padding`` reads: the model's log-probs flat over prompt and response tokens,
-    shifted by one, with a KL loss (low_var_kl, coefficient 1, seq-mean-token-sum) and zero
+    shifted by one, with a KL loss (``kl_loss_type``, coefficient 1, ``loss_agg_mode``) and zero
     advantages (no policy-gradient term). The loss and its gradient in ``logp`` ``[B, R]``."""
     from verl.utils import tensordict_utils
     from verl.workers.config import ActorConfig
 
     config = ActorConfig(strategy="fsdp", ppo_micro_batch_size_per_gpu=1, rollout_n=1,
-                         use_kl_loss=True, kl_loss_type="low_var_kl", kl_loss_coef=1.0,
-                         loss_agg_mode="seq-mean-token-sum")  # fmt: skip
+                         use_kl_loss=True, kl_loss_type=kl_loss_type, kl_loss_coef=1.0,
+                         loss_agg_mode=loss_agg_mode)  # fmt: skip
     b_rows, r_len = logp.shape
     lengths = mask.sum(-1)
     flat = torch.cat(
