@@ -49,8 +49,9 @@ log-ratio ``d`` at unit roundoff ``u`` is off by at most a few ``u (1 + |d|) (1 
 ``u 10 d^2``; ``8 u`` times that is the tolerance. Sums of up to 64 terms (aggregation,
 surrogates) follow the sibling ``tests/test_trainer_batches.py``: ``1e3 u (1 + max|want|)``.
 
-Examples: ``EXAMPLES`` (150) per drawn property, 40 for the verl actor loss; the file takes
-about 60 s on one core (verl's import: 3 s).
+Examples: ``EXAMPLES`` (600) per drawn property (each drop-in's three edge batches, every
+``grad``, as explicit examples besides), 200 for verl's ``"full"``, 150 for each
+``install()``; the file takes about 15 s on one core (verl's import: 3 s of it).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from typing import get_args
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import klest
@@ -79,7 +80,7 @@ from tests.integrations._peer_reference import (
 from tests.integrations.test_openrlhf import openrlhf_formula
 from tests.integrations.test_verl import _real_ppo_loss_and_gradient
 
-EXAMPLES = 150
+EXAMPLES = 600
 MAX_ROWS = 8
 MAX_T = 8
 DTYPES = (torch.bfloat16, torch.float32, torch.float64)
@@ -178,6 +179,17 @@ def peer_batches(draw, *, min_length: int = 0) -> PeerBatch:
     else:
         junk = torch.full((b, t), garbage, dtype=torch.float64)
     return PeerBatch(z, y, w, labels, torch.tensor(lengths), torch.tensor(group), junk, dtype)
+
+
+def fixed_batch(lengths: list[int], t: int, dtype: torch.dtype, *, seed: int = 0) -> PeerBatch:
+    """A batch of given row lengths (one group per row, NaN under the mask), for the edge
+    cases each drawn test also runs as an explicit example."""
+    gen = make_generator(seed)
+    b = len(lengths)
+    z, y, w = (torch.randn(b, t, 3, generator=gen, dtype=torch.float64) for _ in range(3))
+    labels = torch.randint(0, 3, (b, t), generator=gen)
+    junk = torch.full((b, t), math.nan, dtype=torch.float64)
+    return PeerBatch(z, y, w, labels, torch.tensor(lengths), torch.arange(b), junk, dtype)
 
 
 # -- comparisons -------------------------------------------------------------------------------
@@ -423,7 +435,29 @@ def verl_peer() -> Peer:
     )
 
 
+EDGE_BATCHES = [  # no valid token; one token alone in its group; empty and one-token rows
+    fixed_batch([0, 0, 0], 2, torch.bfloat16),
+    fixed_batch([1], 1, torch.float32),
+    fixed_batch([1, 0, 2, 1], 3, torch.float64),
+]
+
+
+def edge_examples(names):
+    """Every edge batch with every ``grad`` (loo baseline, off-policy) as explicit examples."""
+
+    def decorate(test):
+        for batch in EDGE_BATCHES:
+            for grad in GRADS:
+                c = Call(names[-1], grad, None if grad == "peer" else "loo", True, False,
+                         "seq-mean-token-sum")  # fmt: skip
+                test = example(batch=batch, c=c)(test)
+        return test
+
+    return decorate
+
+
 @given(batch=peer_batches(), c=calls(VERL_NAMES))
+@edge_examples(VERL_NAMES)
 @settings(max_examples=EXAMPLES, deadline=None)
 def test_verl_kl_penalty_on_drawn_batches(batch, c):
     """Properties 1, 2, 3, 5 for every name of verl's ``kl_penalty`` and every ``grad``; a
@@ -464,6 +498,7 @@ def openrlhf_peer() -> Peer:
 
 
 @given(batch=peer_batches(), c=calls(OPENRLHF_NAMES, unbiased=True))
+@edge_examples(OPENRLHF_NAMES)
 @settings(max_examples=EXAMPLES, deadline=None)
 def test_openrlhf_compute_approx_kl_on_drawn_batches(batch, c):
     """Properties 1, 2, 3, 5 for every estimator of OpenRLHF's ``compute_approx_kl``, with and
@@ -538,3 +573,336 @@ def test_verl_full_on_drawn_batches(batch, c):
     )  # fmt: skip
     g_klest = grad_of(verl.agg_loss(per_token, mask, c.agg), k.leaf)
     assert_sums_close(g, g_klest, dtype, f"{what}: gradient vs klest.kl_penalty's")
+
+
+# -- verl's agg_loss ---------------------------------------------------------------------------
+
+
+@st.composite
+def aggregations(draw) -> dict:
+    """``agg_loss``'s options: a mode, and local counts or data parallelism's global counts (at
+    least the local ones; 0 where the whole global batch has no valid token)."""
+    mode = draw(st.sampled_from(AGG_MODES))
+    options: dict = {"loss_agg_mode": mode}
+    if draw(st.booleans()):
+        options["dp_size"] = draw(st.sampled_from((2, 4)))
+        options["extra"] = draw(st.sampled_from((0, 1, 7)))
+        options["as_tensor"] = draw(st.booleans())
+    if mode.endswith("-norm") and draw(st.booleans()):
+        options["loss_scale_factor"] = draw(st.sampled_from((1, 3, 64)))
+    return options
+
+
+def agg_arguments(options: dict, mask: torch.Tensor) -> dict:
+    """``agg_loss``'s keyword arguments for ``options`` on a batch of mask ``mask``."""
+    kwargs = {k: v for k, v in options.items() if k not in ("extra", "as_tensor")}
+    if "dp_size" in options:
+        tokens = int(mask.sum()) + options["extra"]
+        rows = int(mask.any(-1).sum()) + options["extra"]
+        convert = torch.tensor if options["as_tensor"] else int
+        kwargs.update(batch_num_tokens=convert(tokens), global_batch_size=convert(rows))
+    return kwargs
+
+
+@given(
+    batch=peer_batches(),
+    options=aggregations(),
+    mask_dtype=st.sampled_from((torch.bool, torch.int64, torch.float32)),
+)
+@example(  # no valid token in the global batch: counts of 0
+    batch=fixed_batch([0, 0], 3, torch.float32),
+    options={"loss_agg_mode": "token-mean", "dp_size": 2, "extra": 0, "as_tensor": True},
+    mask_dtype=torch.bool,
+)
+@example(
+    batch=fixed_batch([0], 1, torch.float64),
+    options={"loss_agg_mode": "seq-mean-token-mean", "dp_size": 4, "extra": 0,
+             "as_tensor": False},
+    mask_dtype=torch.int64,
+)  # fmt: skip
+@settings(max_examples=EXAMPLES, deadline=None)
+def test_agg_loss_equals_the_real_verls(batch, options, mask_dtype):
+    """Property 4: every mode, local or global counts, bool / int / float masks; garbage under
+    the mask read by neither value nor gradient; where the real verl gives NaN, the documented
+    case (no valid token, a count of 0, a mode that divides by it) and klest's 0 with a zero
+    gradient."""
+    real = real_function("verl.trainer.ppo.core_algos", "agg_loss")
+    mask, dtype = batch.mask, batch.dtype
+    m = mask.to(mask_dtype)
+    kwargs = agg_arguments(options, mask)
+    values = batch.logits[..., 0] * 10  # per-token losses of either sign
+    mode = options["loss_agg_mode"]
+    what = f"{options} {dtype} {mask_dtype}"
+
+    def ours(fill: torch.Tensor):
+        x = leaf(torch.where(mask, values, fill).to(dtype))
+        loss = verl.agg_loss(x, m, **kwargs)
+        return loss, grad_of(loss, x)
+
+    loss, g = ours(batch.junk)
+    loss_zero, g_zero = ours(torch.zeros_like(values))
+    assert torch.equal(loss, loss_zero) and torch.equal(g, g_zero), f"{what}: garbage read"
+    assert loss.dtype == dtype and loss.shape == (), f"{what}: {loss.dtype} {loss.shape}"
+    assert_finite(loss, g, what=what)
+    assert not bool(g[~mask].any()), f"{what}: gradient under the mask"
+
+    x = leaf(torch.where(mask, values, 0.0).to(dtype))
+    want = real(x, m, **kwargs)
+    if bool(torch.isnan(want)):  # verl's 0 / 0
+        count = kwargs.get("batch_num_tokens" if mode == "token-mean" else "global_batch_size")
+        count = int(mask.sum() if mode == "token-mean" else mask.any(-1).sum()) if count is None \
+            else int(count)  # fmt: skip
+        assert mode != "token-sum" and count == 0 and not bool(mask.any()), f"{what}: NaN"
+        assert float(loss.detach()) == 0.0 and not bool(g.any()), f"{what}: klest's is not 0"
+        return
+    g_want = grad_of(want, x)
+    scale = float(real(x.detach().abs().double(), m, **kwargs))
+    # verl divides "seq-mean-token-mean"'s rows by n + 1e-8, klest by n
+    tol = (8 * eps(dtype) + 2e-8) * (1 + scale)
+    assert_close(loss, want, tol, f"{what}: value")
+    g_scale = 1 + float(g_want.abs().max()) if g_want.numel() else 1.0
+    assert_close(g, g_want, (8 * eps(dtype) + 2e-8) * g_scale, f"{what}: gradient")
+
+
+# -- install() ---------------------------------------------------------------------------------
+
+
+@given(
+    batch=peer_batches(min_length=1),
+    c=calls(VERL_NAMES).filter(lambda c: c.grad in ("cumulative", "score")),
+)
+@settings(max_examples=EXAMPLES // 4, deadline=None)
+def test_install_into_the_real_verls_actor_loss(batch, c):
+    """Property 6: with ``install(grad=..., baseline=...)`` verl's real ``ppo_loss`` (KL loss
+    ``kl_loss_type`` = the drawn name, ``loss_agg_mode`` the drawn mode, verl's layout: every
+    row has a token, zero padding) gives verl's value and the gradient of klest's drop-in (no
+    mask, as installed: with a baseline the padding counts in its means, as ``install``'s
+    docstring says) through verl's real ``agg_loss``; a ``"+"`` name is refused; after
+    ``uninstall()`` it is verl's own again."""
+    losses = real_module("verl.workers.utils.losses")
+    real_kl = real_function("verl.trainer.ppo.core_algos", "kl_penalty")
+    real_agg = real_function("verl.trainer.ppo.core_algos", "agg_loss")
+    mask, dtype = batch.mask, batch.dtype
+    lp = batch.log_probs(batch.logits, garbage=False)
+    lr = batch.log_probs(batch.logits_ref, garbage=False)
+    original = losses.kl_penalty
+
+    def ppo_loss():
+        x = leaf(lp)
+        return _real_ppo_loss_and_gradient(
+            losses, x, lr, mask, kl_loss_type=c.name, loss_agg_mode=c.agg
+        )
+
+    def through_verls_agg(kl_of) -> tuple[torch.Tensor, torch.Tensor]:
+        x = leaf(lp)
+        loss = real_agg(kl_of(x), mask, c.agg)
+        return loss.detach(), torch.where(mask, grad_of(loss, x), 0.0)
+
+    what = f"{c} {dtype}"
+    with verl.install(grad=c.grad, baseline=c.baseline) as installed:
+        assert losses.kl_penalty is installed.replacement
+        if c.name.endswith("+"):
+            with pytest.raises(ValueError, match="chooses k2's gradient"):
+                ppo_loss()
+            return
+        value, g = quietly(ppo_loss)
+    assert losses.kl_penalty is original, f"{what}: not restored"
+    want, _ = through_verls_agg(lambda x: real_kl(x.double(), lr.double(), c.name))
+    bound = float(rounding_scale(lp.double() - lr.double()).max())
+    # ppo_loss adds the KL loss into the policy loss, of the log-probs' dtype: one rounding
+    tol = 8 * eps(compute_dtype(dtype)) * bound + eps(dtype) * float(want.abs())
+    assert_close(value, want, tol, f"{what}: value")
+    _, g_want = through_verls_agg(
+        lambda x: quietly(lambda: verl.kl_penalty(x, lr, c.name, grad=c.grad, baseline=c.baseline))
+    )
+    assert_sums_close(g, g_want, dtype, f"{what}: installed gradient")
+    _, g_verl = ppo_loss()
+    _, g_verl_want = through_verls_agg(lambda x: real_kl(x, lr, c.name))
+    assert_sums_close(g_verl, g_verl_want, dtype, f"{what}: verl's gradient after uninstall")
+
+
+@given(
+    batch=peer_batches(),
+    c=calls(OPENRLHF_NAMES).filter(lambda c: c.grad in ("cumulative", "score")),
+)
+@settings(max_examples=EXAMPLES // 4, deadline=None)
+def test_install_into_openrlhfs_actor_module(batch, c):
+    """Property 6 for OpenRLHF: its actor module imports vLLM, so ``install()`` rebinds
+    ``compute_approx_kl`` in a stand-in of that module holding the real function, called as the
+    actor calls it (``test_openrlhf.py`` reads the real actor's calls): OpenRLHF's value,
+    klest's gradient (``log_probs_old`` the sampling policy, zero padding, no mask), OpenRLHF's
+    ``unbiased_gradient`` refused; after ``uninstall()`` the real function is back."""
+    real = real_function("openrlhf.models.utils", "compute_approx_kl", file_only=True)
+    with pytest.MonkeyPatch.context() as patch:
+        actor = stand_in_module(patch, "openrlhf.trainer.ray.ppo_actor", compute_approx_kl=real)
+        check_openrlhf_install(batch, c, actor, real)
+
+
+def check_openrlhf_install(batch: PeerBatch, c: Call, actor, real) -> None:
+    mask, dtype = batch.mask, batch.dtype
+    lp = batch.log_probs(batch.logits, garbage=False)
+    lr = batch.log_probs(batch.logits_ref, garbage=False)
+    lo = batch.log_probs(batch.logits_old, garbage=False) if c.off_policy else None
+    what = f"{c} {dtype}"
+
+    def actor_kl(x, unbiased=False):  # as OpenRLHF 0.11.2's actor calls it
+        return actor.compute_approx_kl(
+            x, lr, log_probs_old=lo, kl_estimator=c.name, unbiased_gradient=unbiased
+        )
+
+    def token_mean(kl_of):  # OpenRLHF's default aggregation: the mean over valid tokens
+        x = leaf(lp)
+        loss = verl.agg_loss(kl_of(x), mask, "token-mean")
+        return kl_of(x.detach()), grad_of(loss, x)
+
+    with openrlhf.install(grad=c.grad, baseline=c.baseline) as installed:
+        assert actor.compute_approx_kl is installed.replacement
+        with pytest.raises(ValueError, match="unbiased_gradient=True chooses"):
+            actor_kl(leaf(lp), unbiased=True)
+        value, g = quietly(lambda: token_mean(actor_kl))
+    assert actor.compute_approx_kl is real, f"{what}: not restored"
+    bound = rounding_scale(lp.double() - lr.double())
+    assert_close(value, real(lp, lr, lo, c.name), 8 * eps(torch.float32) * bound, what)
+    _, g_want = token_mean(
+        lambda x: quietly(lambda: klest.kl_penalty(x, lr, estimator="k1", grad=c.grad,
+                                                   baseline=c.baseline, logp_behavior=lo,
+                                                   reduction="none"))
+    )  # fmt: skip
+    assert_sums_close(g, g_want, dtype, f"{what}: installed gradient")
+
+
+# -- the hf helpers on generate-like outputs ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Generated:
+    """``generate``'s output for prompts left-padded to width P, G samples per prompt
+    (consecutive rows), ``eos`` ids (the first is the one generate appends), ``pad`` id."""
+
+    sequences: torch.Tensor
+    prompt_mask: torch.Tensor  # [prompts, P]
+    samples: int
+    eos: tuple[int, ...]
+    pad: int
+
+
+@st.composite
+def generated(draw) -> Generated:
+    v = draw(st.integers(4, 8))
+    eos = (1, 2) if draw(st.booleans()) else (1,)
+    pad = 1 if draw(st.booleans()) else 0  # pad = eos (GPT-2's tokenizers), or its own id
+    p = draw(st.integers(1, 5))
+    c = draw(st.sampled_from((6, 0, 1, 2, 3, 4, 5)))
+    g = draw(st.integers(1, 3))
+    pool = draw(st.lists(st.lists(st.integers(0, v - 1), min_size=1, max_size=p), min_size=1,
+                         max_size=3))  # fmt: skip
+    prompts = draw(st.lists(st.sampled_from(pool), min_size=1, max_size=3))  # duplicates
+    sampled = [t for t in range(v) if t not in eos]  # pad among them when pad is not eos
+    rows, prompt_mask = [], []
+    for prompt in prompts:
+        prompt_mask.append([0] * (p - len(prompt)) + [1] * len(prompt))
+        for _ in range(g):
+            k = draw(st.integers(0, c))
+            body = draw(st.lists(st.sampled_from(sampled), min_size=k, max_size=k))
+            if k < c:  # finished: eos, then padding
+                body = body + [draw(st.sampled_from(eos))] + [pad] * (c - k - 1)
+            rows.append([pad] * (p - len(prompt)) + prompt + body)
+    return Generated(torch.tensor(rows), torch.tensor(prompt_mask), g, eos, pad)
+
+
+def completion_lengths(gen: Generated) -> list[int]:
+    """Per row, by a loop: the completion tokens up to and including the first eos."""
+    p = gen.prompt_mask.shape[1]
+    out = []
+    for row in gen.sequences.tolist():
+        n = 0
+        for token in row[p:]:
+            n += 1
+            if token in gen.eos:
+                break
+        out.append(n)
+    return out
+
+
+@given(
+    gen=generated(),
+    per_prompt_mask=st.booleans(),
+    dtype=st.sampled_from((torch.float32, torch.float64)),
+    temperature=st.sampled_from((1.0, 0.7)),
+    offset=st.integers(0, 5),
+    seed=st.integers(0, 2**31 - 1),
+)
+@settings(max_examples=EXAMPLES, deadline=None)
+def test_hf_helpers_on_generate_outputs(gen, per_prompt_mask, dtype, temperature, offset, seed):
+    """``generated_attention_mask`` is the prompt mask then each completion through its first
+    eos (pad = eos or not, pad sampled inside a completion); ``completion_batch`` on it, in
+    generate's left layout and re-laid right-padded, gives the tokens and
+    ``log_softmax(logits[c - 1] / tau)`` of a per-row loop, never reading the logits no
+    completion token was sampled from (NaN there); ``group_ids`` and ``group_ids_from_prompts``
+    give the loop's groups."""
+    seqs, p = gen.sequences, gen.prompt_mask.shape[1]
+    b, width = seqs.shape
+    full_prompt_mask = gen.prompt_mask.repeat_interleave(gen.samples, 0)
+    mask = hf.generated_attention_mask(
+        seqs,
+        prompt_mask=gen.prompt_mask if per_prompt_mask else full_prompt_mask,
+        eos_token_id=list(gen.eos) if len(gen.eos) > 1 else gen.eos[0],
+    )
+    lengths = completion_lengths(gen)
+    want_mask = [
+        full_prompt_mask[i].tolist() + [1] * n + [0] * (width - p - n)
+        for i, n in enumerate(lengths)
+    ]
+    assert mask.tolist() == want_mask
+
+    # logits: NaN at every column that predicts no completion token
+    g = make_generator(seed)
+    logits = torch.randn(b, width, seqs.max().item() + 3, generator=g, dtype=torch.float64)
+    used = torch.zeros(b, width, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        used[i, p - 1 : p - 1 + n] = True
+    logits = torch.where(used.unsqueeze(-1), logits, math.nan).to(dtype)
+    t = max(lengths, default=0)
+    want_tokens = [seqs[i, p : p + n].tolist() + [-100] * (t - n) for i, n in enumerate(lengths)]
+    want_lp = torch.zeros(b, t, dtype=torch.float64)
+    for i, n in enumerate(lengths):
+        for j in range(n):
+            z = logits[i, p - 1 + j].double() / temperature
+            want_lp[i, j] = z.log_softmax(-1)[seqs[i, p + j]]
+    want_m = [[True] * n + [False] * (t - n) for n in lengths]
+
+    def check(batch: hf.CompletionBatch, what: str) -> None:
+        assert batch.tokens.tolist() == want_tokens, what
+        assert batch.mask.tolist() == want_m, what
+        assert_sums_close(batch.log_probs, want_lp, dtype, what)
+
+    left = hf.completion_batch(logits, seqs, attention_mask=mask, prompt_lengths=p,
+                               temperature=temperature)  # fmt: skip
+    check(left, "left (generate's layout)")
+    # right-padded: each row's attended tokens first, the logits moved with their columns
+    right_ids = torch.full_like(seqs, gen.pad)
+    right_logits = torch.full_like(logits, math.nan)
+    for i in range(b):
+        cols = mask[i].nonzero().squeeze(1)
+        right_ids[i, : len(cols)] = seqs[i, cols]
+        right_logits[i, : len(cols)] = logits[i, cols]
+    right_mask = torch.arange(width) < mask.sum(1, keepdim=True)
+    right = hf.completion_batch(
+        right_logits,
+        right_ids,
+        attention_mask=right_mask,
+        prompt_lengths=full_prompt_mask.sum(1),
+        temperature=temperature,
+    )
+    check(right, "right-padded")  # fmt: skip
+
+    assert hf.group_ids(b, num_generations=gen.samples, offset=offset).tolist() == [
+        (offset + i) // gen.samples for i in range(b)
+    ]
+    seen: dict[tuple[int, ...], int] = {}
+    want_groups = []
+    for i in range(b):
+        key = tuple(seqs[i, :p][full_prompt_mask[i].bool()].tolist())
+        want_groups.append(seen.setdefault(key, len(seen)))
+    got = hf.group_ids_from_prompts(seqs[:, :p], prompt_mask=full_prompt_mask)
+    assert got.tolist() == want_groups

@@ -244,7 +244,8 @@ def install(
     ``--algo.kl.unbiased_gradient`` off: it chooses OpenRLHF's gradient. OpenRLHF's
     log-probs are 0 under both models at padding, which klest's gradients see as tokens that
     contribute nothing, so no mask is needed; the baseline (if any) is taken over the
-    micro-batch.
+    micro-batch, where padding counts as tokens with log-ratio 0 (an empty row as a sample of
+    KL 0): still unbiased, but not the gradient of a masked call with the same baseline.
 
     Samples: OpenRLHF's rollouts, responses y ~ pi_old.
 

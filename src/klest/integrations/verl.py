@@ -430,7 +430,9 @@ def install(
     ``+ray_kwargs.ray_init.runtime_env.worker_process_setup_hook=klest.integrations.verl.install``
     (with the defaults; a hook of your own can pass options). verl's padding holds log-probs 0
     under both models, which klest's gradients see as tokens that contribute nothing, so no mask
-    is needed; the baseline (if any) is taken over the micro-batch. For the gradient of the
+    is needed; the baseline (if any) is taken over the micro-batch, where padding counts as
+    tokens with log-ratio 0 (an empty row as a sample of KL 0): still unbiased, but not the
+    gradient of a masked call with the same baseline. For the gradient of the
     sequence KL itself set ``actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum``.
 
     Samples: verl's rollouts, responses y ~ pi.
