@@ -79,6 +79,7 @@ from tests.integrations._peer_reference import (
 )
 from tests.integrations.test_openrlhf import openrlhf_formula
 from tests.integrations.test_verl import _real_ppo_loss_and_gradient
+from tests.test_trainer_batches import Batch
 
 EXAMPLES = 600
 MAX_ROWS = 8
@@ -104,34 +105,22 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 # -- batches -----------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PeerBatch:
-    """One trainer batch: float64 logits of pi, ref and the behavior policy ``[B, T, V]``, the
-    sampled tokens, row lengths, group ids, the garbage each masked position holds, the dtype."""
+PeerBatch = Batch
+"""A trainer batch (``tests/test_trainer_batches.py``'s, ``[B, T]`` here): float64 logits of
+pi, ref and the behavior policy, the sampled tokens, row lengths, group ids, the garbage each
+masked position holds, the dtype."""
 
-    logits: torch.Tensor
-    logits_ref: torch.Tensor
-    logits_old: torch.Tensor
-    labels: torch.Tensor
-    lengths: torch.Tensor
-    group: torch.Tensor
-    junk: torch.Tensor
-    dtype: torch.dtype
 
-    @property
-    def mask(self) -> torch.Tensor:
-        return torch.arange(self.labels.shape[1]) < self.lengths.unsqueeze(1)
+def log_probs(batch: PeerBatch, logits: torch.Tensor, *, garbage: bool) -> torch.Tensor:
+    """log softmax(logits) at the labels, in the batch's dtype; the junk or 0 under the mask."""
+    lp = batch.logp(logits)
+    fill = batch.junk if garbage else torch.zeros_like(batch.junk)
+    return torch.where(batch.mask(), lp, fill).to(batch.dtype)
 
-    def log_probs(self, logits: torch.Tensor, *, garbage: bool) -> torch.Tensor:
-        """log softmax(logits) at the labels, in the batch's dtype; the junk or 0 under the
-        mask."""
-        lp = logits.log_softmax(-1).gather(-1, self.labels.unsqueeze(-1)).squeeze(-1)
-        fill = self.junk if garbage else torch.zeros_like(self.junk)
-        return torch.where(self.mask, lp, fill).to(self.dtype)
 
-    def full_logits(self, logits: torch.Tensor, *, garbage: bool) -> torch.Tensor:
-        fill = self.junk if garbage else torch.zeros_like(self.junk)
-        return torch.where(self.mask.unsqueeze(-1), logits, fill.unsqueeze(-1)).to(self.dtype)
+def full_logits(batch: PeerBatch, logits: torch.Tensor, *, garbage: bool) -> torch.Tensor:
+    fill = batch.junk if garbage else torch.zeros_like(batch.junk)
+    return torch.where(batch.mask().unsqueeze(-1), logits, fill.unsqueeze(-1)).to(batch.dtype)
 
 
 @st.composite
@@ -288,21 +277,21 @@ def tensors(batch: PeerBatch, *, garbage: bool, through_logits: bool) -> Tensors
     """``through_logits``: ``logp`` computed from the leaf ``logits`` (masked positions set to
     0 before the softmax, as a trainer's padding is), so that ``"rb"``'s two gradient paths,
     through the sampled tokens' log-probs and through the logits, meet in one leaf."""
-    mask = batch.mask
-    logits = leaf(batch.full_logits(batch.logits, garbage=garbage))
+    mask = batch.mask()
+    logits = leaf(full_logits(batch, batch.logits, garbage=garbage))
     if through_logits:
         clean = torch.where(mask.unsqueeze(-1), logits, 0.0)
         lp = clean.log_softmax(-1).gather(-1, batch.labels.unsqueeze(-1)).squeeze(-1)
         fill = (batch.junk if garbage else torch.zeros_like(batch.junk)).to(batch.dtype)
         logp, x = torch.where(mask, lp, fill), logits
     else:
-        logp = x = leaf(batch.log_probs(batch.logits, garbage=garbage))
+        logp = x = leaf(log_probs(batch, batch.logits, garbage=garbage))
     return Tensors(
         logp,
-        batch.log_probs(batch.logits_ref, garbage=garbage),
-        batch.log_probs(batch.logits_old, garbage=garbage),
+        log_probs(batch, batch.logits_ref, garbage=garbage),
+        log_probs(batch, batch.logits_behavior, garbage=garbage),
         logits,
-        batch.full_logits(batch.logits_ref, garbage=garbage),
+        full_logits(batch, batch.logits_ref, garbage=garbage),
         x,
     )
 
@@ -341,7 +330,7 @@ class Peer:
 
 def check_drawn_call(batch: PeerBatch, c: Call, peer: Peer) -> None:
     """Properties 1, 2, 3, 5 of one drawn call of a drop-in (module docstring)."""
-    mask, dtype = batch.mask, batch.dtype
+    mask, dtype = batch.mask(), batch.dtype
     through_logits = c.grad == "rb"
 
     def run(x: Tensors, m) -> tuple[torch.Tensor, torch.Tensor]:
@@ -465,7 +454,7 @@ def test_verl_kl_penalty_on_drawn_batches(batch, c):
     if c.grad != "peer" and c.name.endswith("+"):
         x = tensors(batch, garbage=True, through_logits=c.grad == "rb")
         with pytest.raises(ValueError, match="chooses k2's gradient"):
-            verl_dropin(batch, x, c, batch.mask)
+            verl_dropin(batch, x, c, batch.mask())
         return
     check_drawn_call(batch, c, verl_peer())
 
@@ -507,15 +496,15 @@ def test_openrlhf_compute_approx_kl_on_drawn_batches(batch, c):
     if c.grad != "peer" and c.unbiased:
         x = tensors(batch, garbage=True, through_logits=c.grad == "rb")
         with pytest.raises(ValueError, match="unbiased_gradient=True chooses"):
-            openrlhf_dropin(batch, x, c, batch.mask)
+            openrlhf_dropin(batch, x, c, batch.mask())
         return
     check_drawn_call(batch, c, openrlhf_peer())
     if batch.dtype == torch.float64:
         x = tensors(batch, garbage=True, through_logits=False)
-        out = quietly(lambda: openrlhf_dropin(batch, x, c, batch.mask))
+        out = quietly(lambda: openrlhf_dropin(batch, x, c, batch.mask()))
         delta = x.logp.detach() - x.logp_ref
-        want = torch.where(batch.mask, openrlhf_formula(delta, c.name), 0.0)
-        bound = rounding_scale(torch.where(batch.mask, delta, 0.0))
+        want = torch.where(batch.mask(), openrlhf_formula(delta, c.name), 0.0)
+        bound = rounding_scale(torch.where(batch.mask(), delta, 0.0))
         assert_close(out, want, 8 * eps(torch.float64) * bound, f"{c}: vs the float64 formula")
 
 
@@ -530,7 +519,7 @@ def test_verl_full_on_drawn_batches(batch, c):
     masked or where the label is -100; ``"peer"``'s gradient its autodiff, klest's gradients
     those of ``klest.kl_penalty(estimator="rb", ...)`` on the labels' log-probs."""
     real = real_function("verl.trainer.ppo.core_algos", "kl_penalty")
-    mask, dtype = batch.mask, batch.dtype
+    mask, dtype = batch.mask(), batch.dtype
     with pytest.raises(NotImplementedError):
         real(batch.logits, batch.logits_ref, "full")
     x = tensors(batch, garbage=True, through_logits=False)
@@ -627,7 +616,7 @@ def test_agg_loss_equals_the_real_verls(batch, options, mask_dtype):
     case (no valid token, a count of 0, a mode that divides by it) and klest's 0 with a zero
     gradient."""
     real = real_function("verl.trainer.ppo.core_algos", "agg_loss")
-    mask, dtype = batch.mask, batch.dtype
+    mask, dtype = batch.mask(), batch.dtype
     m = mask.to(mask_dtype)
     kwargs = agg_arguments(options, mask)
     values = batch.logits[..., 0] * 10  # per-token losses of either sign
@@ -682,9 +671,9 @@ def test_install_into_the_real_verls_actor_loss(batch, c):
     losses = real_module("verl.workers.utils.losses")
     real_kl = real_function("verl.trainer.ppo.core_algos", "kl_penalty")
     real_agg = real_function("verl.trainer.ppo.core_algos", "agg_loss")
-    mask, dtype = batch.mask, batch.dtype
-    lp = batch.log_probs(batch.logits, garbage=False)
-    lr = batch.log_probs(batch.logits_ref, garbage=False)
+    mask, dtype = batch.mask(), batch.dtype
+    lp = log_probs(batch, batch.logits, garbage=False)
+    lr = log_probs(batch, batch.logits_ref, garbage=False)
     original = losses.kl_penalty
 
     def ppo_loss():
@@ -739,10 +728,10 @@ def test_install_into_openrlhfs_actor_module(batch, c):
 
 
 def check_openrlhf_install(batch: PeerBatch, c: Call, actor, real) -> None:
-    mask, dtype = batch.mask, batch.dtype
-    lp = batch.log_probs(batch.logits, garbage=False)
-    lr = batch.log_probs(batch.logits_ref, garbage=False)
-    lo = batch.log_probs(batch.logits_old, garbage=False) if c.off_policy else None
+    mask, dtype = batch.mask(), batch.dtype
+    lp = log_probs(batch, batch.logits, garbage=False)
+    lr = log_probs(batch, batch.logits_ref, garbage=False)
+    lo = log_probs(batch, batch.logits_behavior, garbage=False) if c.off_policy else None
     what = f"{c} {dtype}"
 
     def actor_kl(x, unbiased=False):  # as OpenRLHF 0.11.2's actor calls it
