@@ -327,9 +327,7 @@ def kl_spec(direction: str, *, call=klest.kl_from_logits, name="kl") -> Spec:
 
 def jsd_spec(beta: float) -> Spec:
     def rows(la, lb):
-        return beta * mixture_kl_rows(lb, la, 1 - beta) + (1 - beta) * mixture_kl_rows(
-            la, lb, beta
-        )
+        return beta * mixture_kl_rows(lb, la, 1 - beta) + (1 - beta) * mixture_kl_rows(la, lb, beta)
 
     return Spec(
         f"jsd beta={beta}",
@@ -578,7 +576,9 @@ def reference(
     if spec.kl:
         loss = loss + (entropy * weights.entropy[keep]).sum()
         if lab is not None:
-            loss = loss + (logp * weights.logp[keep]).sum() + (logp_ref * weights.logp_ref[keep]).sum()
+            loss = (
+                loss + (logp * weights.logp[keep]).sum() + (logp_ref * weights.logp_ref[keep]).sum()
+            )
     leaves = {"z": za} | ({"y": yb} if grad_y else {})
     if loss.requires_grad:
         got = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
@@ -936,3 +936,237 @@ def test_triton_kernels_equal_the_formula_and_the_torch_engine(spec, case, data)
         spec, case, torch_out, x, weights, reduction=reduction, grad_y=grad_y, ulps=1.0,
         what=f"torch {spec.name}",
     )  # fmt: skip
+
+
+# -- one process of the vocabulary-parallel path ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def one_process_group(tmp_path_factory):
+    """A gloo group of one process (the whole vocabulary is this rank's shard), for this module
+    only: it is destroyed after, since other tests check the function refuses to run without."""
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("gloo") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+VOCAB_PARALLEL_SPECS = [
+    kl_spec(d, call=klest.kl_from_logits_vocab_parallel, name="vocab-parallel")
+    for d in ("pi||ref", "ref||pi")
+]
+
+
+@pytest.mark.parametrize("spec", VOCAB_PARALLEL_SPECS, ids=lambda s: s.name)
+@given(case=cases(), layout=st.sampled_from(("left", "right")), data=st.data())
+@settings(max_examples=EXAMPLES // 2, deadline=None)
+def test_vocab_parallel_on_one_process(one_process_group, spec, case, layout, data):
+    """One rank holding the whole vocabulary: the merge of one shard must give the float64
+    answer (same tolerances: the merge adds an exp / log round trip of 0), and the left-out
+    rows' garbage is never read."""
+    reduction, details, _, grad_y = data.draw(call_options(spec, case), label="options")
+    weights = weights_in_layout(
+        draw_weights(data, spec, case, reduction, details), case, reduction, layout
+    )
+    results = []
+    for garbage in (True, False):
+        x = arguments(case, layout=layout, garbage=garbage, grad_y=grad_y)
+        results.append(run(spec, case, x, reduction=reduction, details=details, weights=weights))
+    check_against_reference(
+        spec, case, results[0], x, weights, reduction=reduction, grad_y=grad_y, ulps=1.0,
+        what=f"{spec.name} {case.dtype} {reduction} {layout}",
+    )  # fmt: skip
+    assert_same(*results, f"{spec.name}: garbage vs zeros")
+
+
+# -- the fused LM head ----------------------------------------------------------------------------
+
+HIDDEN_CALLS = {
+    klest.kl_from_logits: klest.kl_from_hidden,
+    klest.jsd_from_logits: klest.jsd_from_hidden,
+    klest.skew_kl_from_logits: klest.skew_kl_from_hidden,
+    klest.tv_from_logits: klest.tv_from_hidden,
+}
+HIDDEN_SPECS = [SPECS[0], SPECS[1], SPECS[3], SPECS[6], SPECS[7]]
+
+
+@dataclass(frozen=True)
+class Heads:
+    """Float64 tensors on a grid of halves (module docstring): pi's hidden states ``[*lead, H]``,
+    head ``[V, H]`` and bias, and ref's (``hidden_ref`` None: ref given by its logits)."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    hidden_ref: torch.Tensor | None
+    weight_ref: torch.Tensor | None
+    bias_ref: torch.Tensor | None
+
+    def logits(self) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def linear(h, w, b):
+            return h @ w.T + (0.0 if b is None else b)
+
+        ref = (
+            None
+            if self.hidden_ref is None
+            else linear(self.hidden_ref, self.weight_ref, self.bias_ref)
+        )
+        return linear(self.hidden, self.weight, self.bias), ref
+
+
+@st.composite
+def hidden_cases(draw) -> tuple[Case, Heads]:
+    """A :func:`cases` batch whose logits come from hidden states and heads: every entry a
+    half in [-1, 1] (biases in [-2, 2]) and H <= 4, so every logit is a quarter below 6 in size,
+    exact in every dtype."""
+    case = draw(cases(holes=False, max_v=24))
+    lead, v = case.lead, case.z.shape[-1]
+    gen = make_generator(draw(st.integers(0, 2**31 - 1), label="heads seed"))
+
+    def halves(*shape: int, top: int = 2) -> torch.Tensor:
+        return torch.randint(-top, top + 1, shape, generator=gen).double() / 2
+
+    h, h_ref = draw(st.integers(1, 4)), draw(st.integers(1, 4))
+    biased, biased_ref, ref_hidden = (draw(st.booleans()) for _ in range(3))
+    heads = Heads(
+        halves(*lead, h),
+        halves(v, h),
+        halves(v, top=4) if biased else None,
+        halves(*lead, h_ref) if ref_hidden else None,
+        halves(v, h_ref) if ref_hidden else None,
+        halves(v, top=4) if biased_ref and ref_hidden else None,
+    )
+    z, y = heads.logits()
+    if y is None:  # ref's logits given directly (on the same grid, so exact too)
+        y = halves(*lead, v, top=8)
+    return replace(case, z=z, y=y), heads
+
+
+def run_hidden(spec: Spec, case: Case, heads: Heads, *, reduction: str, details: bool,
+               weights: Weights, grad_ref: bool, garbage: bool) -> Out:  # fmt: skip
+    """The ``*_from_hidden`` form of ``spec`` on ``heads`` (left-out rows' hidden states and ref
+    logits hold garbage), with the gradients of the weighted outputs to every leaf."""
+    out_rows = ~case.keep.unsqueeze(-1)
+    fill = case.junk[..., :1] if garbage else torch.zeros_like(case.junk[..., :1])
+
+    def leaf(x, grad=True, rows=False, fill_with=None):
+        if x is None:
+            return None
+        if rows:
+            x = torch.where(out_rows, fill_with.expand_as(x), x)
+        return x.to(case.dtype).requires_grad_(grad)
+
+    leaves = {
+        "hidden": leaf(heads.hidden, rows=True, fill_with=fill[0]),
+        "weight": leaf(heads.weight),
+        "bias": leaf(heads.bias),
+        "hidden_ref": leaf(heads.hidden_ref, grad_ref, rows=True, fill_with=fill[1]),
+        "weight_ref": leaf(heads.weight_ref, grad_ref),
+        "bias_ref": leaf(heads.bias_ref, grad_ref),
+    }
+    x = arguments(case, garbage=garbage, grad_y=grad_ref)
+    logits_ref = x.y if heads.hidden_ref is None else None
+    options = dict(spec.options)
+    result = HIDDEN_CALLS[spec.call](
+        leaves["hidden"], leaves["weight"], leaves["hidden_ref"], leaves["weight_ref"],
+        logits_ref=logits_ref, bias=leaves["bias"], bias_ref=leaves["bias_ref"],
+        mask=x.mask, labels=x.labels, reduction=reduction, temperature=case.temperature,
+        chunk_size=case.chunk, backend="torch", return_details=details, **options,
+    )  # fmt: skip
+    value, d = result if details else (result, None)
+    loss = (value.double() * weights.value).sum()
+    if d is not None and spec.kl:
+        loss = loss + (d.entropy.double() * weights.entropy).sum()
+        if d.logp is not None:
+            loss = loss + (d.logp.double() * weights.logp).sum()
+            loss = loss + (d.logp_ref.double() * weights.logp_ref).sum()
+    wanted = {k: t for k, t in leaves.items() if t is not None and t.requires_grad}
+    if logits_ref is not None and grad_ref:
+        wanted["logits_ref"] = logits_ref
+    got = torch.autograd.grad(loss, list(wanted.values()), allow_unused=True)
+    grads = {
+        k: torch.zeros_like(t) if g is None else g
+        for (k, t), g in zip(wanted.items(), got, strict=True)
+    }
+    detail = (lambda t: None if t is None else t.detach()) if d is not None else (lambda t: None)
+    return Out(
+        value.detach(),
+        detail(None if d is None else d.logp),
+        detail(None if d is None else d.logp_ref),
+        detail(None if d is None else d.entropy),
+        grads,
+    )
+
+
+def through_heads(g: torch.Tensor, heads: Heads, side: str) -> dict[str, torch.Tensor]:
+    """A logits-space tensor ``[*lead, V]`` taken through one side's head by the chain rule:
+    ``dh = G W``, ``dW = G^T h``, ``db = sum G`` (float64; pass absolute values for bounds)."""
+    h, w, b = (
+        (heads.hidden, heads.weight, heads.bias)
+        if side == "pi"
+        else (heads.hidden_ref, heads.weight_ref, heads.bias_ref)
+    )
+    suffix = "" if side == "pi" else "_ref"
+    v = g.shape[-1]
+    flat = g.reshape(-1, v)
+    out = {f"hidden{suffix}": g @ w, f"weight{suffix}": flat.T @ h.reshape(-1, h.shape[-1])}
+    if b is not None:
+        out[f"bias{suffix}"] = flat.sum(0)
+    return out
+
+
+@pytest.mark.parametrize("spec", HIDDEN_SPECS, ids=lambda s: s.name)
+@given(drawn=hidden_cases(), data=st.data())
+@settings(max_examples=EXAMPLES // 2, deadline=None)
+def test_fused_head_equals_the_float64_formula(spec, drawn, data):
+    """``*_from_hidden``: values and details as the float64 formula on the (exact) logits;
+    gradients to hidden states, heads and biases of both models (or to ref's logits) those of
+    the formula through the heads; garbage in left-out rows' hidden states never read."""
+    case, heads = drawn
+    reduction, details, _, grad_ref = data.draw(call_options(spec, case), label="options")
+    weights = draw_weights(data, spec, case, reduction, details)
+    out = run_hidden(spec, case, heads, reduction=reduction, details=details, weights=weights,
+                     grad_ref=grad_ref, garbage=True)  # fmt: skip
+    what = f"{spec.name} from hidden {case.dtype} {reduction}"
+    x = arguments(case, grad_y=grad_ref)
+    logits_out = Out(out.value, out.logp, out.logp_ref, out.entropy, {})
+    check_against_reference(spec, case, logits_out, x, weights, reduction=reduction,
+                            grad_y=grad_ref, ulps=1.0, what=what)  # fmt: skip
+    ref = reference(spec, case, x.keep, case.z, case.y, weights, reduction=reduction,
+                    grad_y=grad_ref)  # fmt: skip
+    # Through the heads: G is rounded to the input dtype before each product (one ulp), the
+    # products accumulate in float32 (64 u) and the result is rounded once more (one ulp).
+    ulp = torch.finfo(case.dtype).eps
+    tiny = torch.finfo(case.dtype).smallest_normal * ulp
+    u = unit_roundoff(case.dtype)
+    for side, key in (("pi", "z"), ("ref", "y")):
+        if key not in ref.grads:
+            continue
+        if side == "ref" and heads.hidden_ref is None:
+            want = {"logits_ref": ref.grads["y"]}
+            bound = {"logits_ref": ref.grad_tols["y"]}
+        else:
+            g = ref.grads[key]
+            want = through_heads(g, heads, side)
+            sizes_of = Heads(*(None if t is None else t.abs() for t in vars(heads).values()))
+            err = through_heads(ref.grad_tols[key] + ulp * g.abs(), sizes_of, side)
+            sizes = through_heads(g.abs(), sizes_of, side)
+            bound = {
+                k: err[k] + (ulp + 64 * u) * sizes[k] + ulp * want[k].abs() + tiny for k in want
+            }
+        for k, w in want.items():
+            assert out.grads[k].dtype == case.dtype, (
+                f"{what}: gradient to {k} in {out.grads[k].dtype}"
+            )
+            assert_within(out.grads[k], w, bound[k], f"{what}: gradient to {k}")
+    for k in ("hidden", "hidden_ref", "logits_ref"):
+        if k in out.grads:
+            assert not bool(out.grads[k][~case.keep].any()), (
+                f"{what}: gradient to {k} where left out"
+            )
+    clean = run_hidden(spec, case, heads, reduction=reduction, details=details, weights=weights,
+                       grad_ref=grad_ref, garbage=False)  # fmt: skip
+    assert_same(out, clean, f"{what}: garbage vs zeros")
