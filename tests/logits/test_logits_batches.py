@@ -1170,3 +1170,213 @@ def test_fused_head_equals_the_float64_formula(spec, drawn, data):
     clean = run_hidden(spec, case, heads, reduction=reduction, details=details, weights=weights,
                        grad_ref=grad_ref, garbage=False)  # fmt: skip
     assert_same(out, clean, f"{what}: garbage vs zeros")
+
+
+# -- a teacher known by its top-k ----------------------------------------------------------------
+
+TOPK_ESTIMATORS = ("unbiased", "unbiased-cv", "tail-bucket", "truncated", "truncated-raw")
+# The estimators whose value is well conditioned in the teacher's stored log-probs; the other two
+# read the teacher's tail mass 1 - R, which rounding of R (float32: ~1e-7 absolute) makes
+# arbitrarily inaccurate relative to a small tail: they get the trainer-batch rules only.
+TOPK_FORMULAS = ("unbiased", "truncated", "truncated-raw")
+
+
+@dataclass(frozen=True)
+class TopK:
+    """The teacher's stored top-k per position ``[*lead, k]`` (ids and log-probs, rounded to
+    float32, float64 for float64 logits) and its log-prob of each sampled token ``[*lead]``."""
+
+    ids: torch.Tensor
+    logp: torch.Tensor
+    logp_label: torch.Tensor
+
+
+def topk_of(case: Case, k: int) -> TopK:
+    teacher = torch.log_softmax(torch.nan_to_num(case.y, neginf=-30.0), -1)
+    logp, ids = teacher.topk(k, dim=-1)
+    stored = compute_dtype(case.dtype)
+    label_logp = teacher.gather(-1, case.labels.unsqueeze(-1)).squeeze(-1)
+    return TopK(ids, logp.to(stored), label_logp.to(stored))
+
+
+def run_topk(case: Case, topk: TopK, estimator: str, direction: str, *, reduction: str,
+             weights: Weights, layout: str = "right", garbage: bool = True,
+             budget_rows: int | None = None) -> Out:  # fmt: skip
+    """``kl_from_topk`` with garbage (ids out of range or repeated, NaN log-probs) at left-out
+    positions; the gradient of ``sum(weights * value)`` to the logits."""
+    x = arguments(case, layout=layout, garbage=garbage)
+    arrange = (lambda t: t) if layout == "right" else (lambda t: to_left(t, case))
+    out = ~case.keep
+    v, k = case.z.shape[-1], topk.ids.shape[-1]
+    bad_ids = torch.full_like(topk.ids, -7 if garbage else 0)
+    if garbage and k > 1:
+        bad_ids[..., 1] = v + 3
+    ids = torch.where(out.unsqueeze(-1), bad_ids, topk.ids)
+    fill = math.nan if garbage else 0.0
+    logp = torch.where(out.unsqueeze(-1), fill, topk.logp)
+    label_logp = torch.where(out, fill, topk.logp_label)
+    labels = torch.where(out & case.by_label, -100, case.labels)
+    value = klest.kl_from_topk(
+        x.z, arrange(ids), arrange(logp), labels=arrange(labels),
+        logp_ref_label=arrange(label_logp), estimator=estimator, direction=direction,
+        mask=x.mask, reduction=reduction, temperature=case.temperature,
+        memory_budget=None if budget_rows is None else 12 * v * budget_rows,
+    )  # fmt: skip
+    loss = (value.double() * weights.value).sum()
+    (g,) = torch.autograd.grad(loss, [x.z]) if loss.requires_grad else (torch.zeros_like(x.z),)
+    return Out(value.detach(), None, None, None, {"z": g})
+
+
+def topk_reference(case: Case, topk: TopK, estimator: str, direction: str, keep: torch.Tensor,
+                   z: torch.Tensor, weights: Weights, reduction: str):  # fmt: skip
+    """Float64 per-position values, their tolerance, and the gradient with its tolerance."""
+    v, tau = z.shape[-1], case.temperature
+    za = z[keep].reshape(-1, v).clone().requires_grad_()
+    la = torch.log_softmax(za / tau, -1)
+    ids = topk.ids[keep] if keep is case.keep else to_left(topk.ids, case)[keep]
+    labels = case.labels if keep is case.keep else to_left(case.labels, case)
+    y = labels[keep].unsqueeze(-1)
+    stored = (lambda t: t) if keep is case.keep else (lambda t: to_left(t, case))
+    b = stored(topk.logp)[keep].double()
+    b_y = stored(topk.logp_label)[keep].double()
+    a = la.gather(-1, ids)
+    a_y = la.gather(-1, y).squeeze(-1)
+    supported = a > -INF
+    outside = (ids != y).all(-1)
+
+    def plogq(lp, lq, support):
+        return torch.where(support, lp.exp() * (torch.where(support, lp, 0.0) - lq), 0.0)
+
+    if estimator == "truncated":
+        # A row with no student mass on S (value 0 or inf) is kept out of the graph's logsumexp.
+        mass = torch.logsumexp(torch.where(supported.any(-1, keepdim=True), a, 0.0), -1, True)
+        a_s = torch.where(supported, a - mass, -INF)
+        b_s = b - torch.logsumexp(b, -1, keepdim=True)
+        if direction == "pi||ref":
+            value, g = plogq(a_s, b_s, supported).sum(-1), None
+        else:
+            value, g = (b_s.exp() * (b_s - a_s)).sum(-1), None
+    else:
+        if direction == "pi||ref":
+            value = plogq(a, b, supported).sum(-1)
+        else:
+            value = (b.exp() * (b - a)).sum(-1)
+        g = None
+        if estimator == "unbiased":
+            log_w = b_y - a_y
+            g = torch.where(outside, -log_w if direction == "pi||ref" else log_w.exp() * log_w, 0.0)
+            value = value + g
+    finite = torch.isfinite(value.detach())
+    surrogate = value if g is None else value + g.detach() * a_y
+    per_position = torch.zeros(keep.shape, dtype=torch.float64).index_put(
+        (keep,), torch.where(finite, surrogate, 0.0)
+    )
+    w = weights.value if reduction != "none" else torch.where(
+        torch.zeros(keep.shape, dtype=torch.bool).index_put((keep,), ~finite), 0.0, weights.value
+    )  # fmt: skip
+    loss = (reduce_by_hand(per_position, keep, reduction) * w).sum()
+    (grad,) = torch.autograd.grad(loss, [za]) if loss.requires_grad else (torch.zeros_like(za),)
+    # Tolerances: the value's terms' sizes times u (1 + M), M the size of the scaled logits and
+    # the stored log-probs; the gradient's, row-uniform, the same times the upstream's size / T.
+    u = unit_roundoff(case.dtype)
+    m = finite_or_zero(za.detach() / tau).abs().amax(-1) + b.abs().amax(-1) + b_y.abs()
+    sizes = (finite_or_zero(a.detach()).abs() + b.abs()).sum(-1) + 2
+    if g is not None:
+        sizes = sizes + finite_or_zero(g.detach()).abs() * (1 + (b_y - a_y.detach()).abs())
+    tol = 256 * u * (1 + m) * sizes
+
+    def spread(x: torch.Tensor) -> torch.Tensor:
+        return spread_graph(keep, x)
+
+    probe = torch.zeros(keep.shape, dtype=torch.float64, requires_grad=True)
+    (through,) = torch.autograd.grad(
+        (reduce_by_hand(probe * keep, keep, reduction) * w.abs()).sum(), probe, allow_unused=True
+    )
+    size = (torch.zeros_like(probe) if through is None else through)[keep].unsqueeze(-1)
+    grad_tol = 64 * u * (1 + m).unsqueeze(-1) * sizes.unsqueeze(-1) / tau * size
+    ulp = torch.finfo(case.dtype).eps
+    grad_tol = grad_tol + ulp * grad.abs() + torch.finfo(case.dtype).smallest_normal * size
+    return spread(value.detach()), spread(tol), spread(grad), spread(grad_tol)
+
+
+@st.composite
+def topk_calls(draw):
+    case = draw(cases(max_v=24))
+    k = draw(st.integers(1, case.z.shape[-1]))
+    estimator = draw(st.sampled_from(TOPK_ESTIMATORS))
+    direction = draw(st.sampled_from(("pi||ref", "ref||pi")))
+    return case, topk_of(case, k), estimator, direction
+
+
+def topk_infinite(case: Case, topk: TopK, estimator: str, direction: str) -> torch.Tensor:
+    """Kept positions whose value is infinite: ``ref||pi`` with student mass 0 on a top-k token
+    (the estimators that read the tail: also on the sampled token)."""
+    la = torch.log_softmax(case.z / case.temperature, -1)
+    if direction == "pi||ref":
+        return torch.zeros(case.lead, dtype=torch.bool)
+    return (la.gather(-1, topk.ids) == -INF).any(-1) & case.keep
+
+
+@given(drawn=topk_calls(), layout=st.sampled_from(("left", "right")), data=st.data())
+@settings(max_examples=EXAMPLES, deadline=None)
+def test_kl_from_topk_on_trainer_batches(drawn, layout, data):
+    """``kl_from_topk``: the float64 formula (value and gradient; the well-conditioned
+    estimators), the value's dtype, 0 value and gradient at left-out positions, garbage there
+    (ids out of range or repeated, NaN log-probs and logits) never read, the two layouts agree."""
+    case, topk, estimator, direction = drawn
+    infinite = topk_infinite(case, topk, estimator, direction)
+    reduction = "none" if bool(infinite.any()) else data.draw(st.sampled_from(REDUCTIONS))
+    spec = Spec("topk", klest.kl_from_topk, kl_rows)  # weights drawn as for any function
+    weights = draw_weights(data, spec, case, reduction, False)
+    if reduction == "none":
+        weights = replace(weights, value=weights.value.masked_fill(infinite, 0.0))
+    budget_rows = data.draw(st.sampled_from((None, 1, 2, 3)), label="rows per chunk")
+    what = f"topk {estimator} {direction} {case.dtype} {reduction} {layout}"
+    w = weights_in_layout(weights, case, reduction, layout)
+
+    def call(**kw):
+        return run_topk(case, topk, estimator, direction, reduction=reduction, weights=w,
+                        layout=layout, budget_rows=budget_rows, **kw)  # fmt: skip
+
+    out = call()
+    keep = case.keep if layout == "right" else to_left(case.keep, case)
+    assert out.value.dtype == compute_dtype(case.dtype), f"{what}: dtype {out.value.dtype}"
+    assert out.grads["z"].dtype == case.dtype, f"{what}: gradient dtype"
+    assert_zero_where_left_out(out, keep, reduction, what)
+    assert_same(out, call(garbage=False), f"{what}: garbage vs zeros")
+    if estimator in TOPK_FORMULAS:
+        z = arguments(case, layout=layout).z.detach().double()
+        values, tol, grad, grad_tol = topk_reference(
+            case, topk, estimator, direction, keep, z, w, reduction
+        )
+        want = reduce_by_hand(values, keep, reduction)
+        bound = reduce_by_hand(tol, keep, reduction) + 64 * unit_roundoff(
+            case.dtype
+        ) * reduce_by_hand(finite_or_zero(values).abs(), keep, reduction)
+        assert_within(out.value, want, bound, f"{what}: value")
+        assert_within(out.grads["z"], grad, grad_tol, f"{what}: gradient")
+    if case.sequences and layout == "left":
+        right = run_topk(case, topk, estimator, direction, reduction=reduction, weights=weights,
+                         budget_rows=budget_rows)  # fmt: skip
+        unrolled = Out(
+            to_right(out.value, case) if reduction == "none" else out.value, None, None, None,
+            {"z": to_right(out.grads["z"], case)},
+        )  # fmt: skip
+        assert_reordered(unrolled, right, case.dtype, f"{what}: left vs right")
+
+
+@pytest.mark.parametrize("direction", ["pi||ref", "ref||pi"])
+def test_truncated_topk_with_a_zero_student_probability_in_the_set(direction):
+    """Found by the property test above: with ``-inf`` in the student's logits at a top-k token,
+    the renormalized student over S is ``[1, 0]`` whatever the other logits, so the truncated
+    KL(pi||ref) is constant (gradient 0); its gradient counted the -inf entry as log-prob 0."""
+    z = torch.tensor([[0.7705, -0.1467, -1.0894, -INF]], dtype=torch.float64, requires_grad=True)
+    ids, logp = torch.tensor([[0, 3]]), torch.tensor([[-0.7748, -1.2611]], dtype=torch.float64)
+    value = klest.kl_from_topk(z, ids, logp, estimator="truncated", direction=direction)
+    b = logp - logp.logsumexp(-1, keepdim=True)
+    if direction == "ref||pi":  # the teacher has mass where the renormalized student has none
+        assert float(value) == INF
+        return
+    assert abs(float(value) + float(b[0, 0])) <= 1e-15
+    (grad,) = torch.autograd.grad(value, z)
+    assert not bool(grad.any()), grad
