@@ -207,7 +207,11 @@ def _values(
     pi_dir = direction == "pi||ref"
     if estimator == "truncated":
         a_sup = support.a > -torch.inf
-        la = torch.logsumexp(t.a, -1, keepdim=True)
+        # The normalizer over S sums the supported entries only: in the finite terms a -inf
+        # entry is 0 and must not count (it did, and gave a gradient to a constant value). A row
+        # with no mass on S keeps its own terms (a finite normalizer; its value is 0 or inf).
+        in_sum = torch.where(a_sup.any(-1, keepdim=True) & ~a_sup, -torch.inf, t.a)
+        la = torch.logsumexp(in_sum, -1, keepdim=True)
         # -inf stays -inf (raw terms) or 0 (finite terms); no mass on S at all: la = -inf.
         a = torch.where(a_sup, t.a - torch.where(torch.isfinite(la), la, 0.0), t.a)
         b = t.b - torch.logsumexp(t.b, -1, keepdim=True)
