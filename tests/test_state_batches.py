@@ -41,15 +41,16 @@ variate, a target minus its baseline) the size is that of the terms (:func:`asse
 A coefficient fitted from moments, ``alpha = -cov / var``, is compared with the error bound
 propagated from its moments' (:func:`alpha_tolerance`).
 
-Nothing here is statistical. Each drawn test runs ``EXAMPLES`` sequences or batches (numbers in
-the decorators); the file takes about 40 s on one core.
+Nothing here is statistical. The drawn tests run 300 (baseline states), 200 (AlphaEMA), 100
+(``KLPenalty``), 300 / 200 / 200 (f-divergences and k_abs / aggregate / decouple) and 150 (exact
+KLs and their modules) examples; the file takes about 13 s on one core. It found that casting a
+model to bf16 rounded the float64 states to bf16 (fixed: :func:`klest._numerics.keep_float64`).
 """
 
 from __future__ import annotations
 
 import copy
 import math
-import warnings
 from dataclasses import dataclass, replace
 
 import pytest
@@ -334,25 +335,29 @@ def new_state(kind: str, decay: float):
 
 @dataclass
 class Outcome:
-    """One step's loss and gradient to ``logp`` (right-padded layout) and the state after it."""
+    """One step's output and gradient to ``logp`` (right-padded layout) and the state after it."""
 
     loss: torch.Tensor
     grad: torch.Tensor
     state: dict[str, torch.Tensor]
 
 
-def penalty_step(penalty, step: Step, grad: str, direction: str) -> Outcome:
-    """``penalty`` (``kl_penalty`` with its state bound, or a module) on one batch, ``"sum"``."""
+def outcome(call, step: Step) -> Outcome:
+    """``call(x)`` on the step's batch in its layout; the output's sum differentiated."""
     x = inputs(step.batch, layout=step.layout)
-    loss = penalty(x, grad, direction)
-    (g,) = torch.autograd.grad(loss, x.logp, allow_unused=True)
+    out = call(x)
+    (g,) = torch.autograd.grad(out.sum(), x.logp, allow_unused=True)
     g = torch.zeros_like(x.logp) if g is None else g
-    return Outcome(loss.detach(), right_layout(g, step), {})
+    if out.shape == x.logp.shape:
+        out = right_layout(out, step)
+    return Outcome(out.detach(), right_layout(g, step), {})
 
 
-def with_state(state):
-    def call(x: Inputs, grad: str, direction: str) -> torch.Tensor:
-        return klest.kl_penalty(
+def penalty_call(grad: str, direction: str):
+    """``kl_penalty`` (k1 value, ``"sum"``) with a state as its baseline."""
+
+    def bind(state):
+        return lambda x: klest.kl_penalty(
             x.logp,
             x.logp_ref,
             estimator="k1",
@@ -364,16 +369,39 @@ def with_state(state):
             group=x.group,
         )
 
-    return call
+    return bind
 
 
-def run_sequence(state, steps: list[Step], grad: str, direction: str) -> list[Outcome]:
-    out = []
+def snapshot(state) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in state.state_dict().items()}
+
+
+def run_sequence(state, steps: list[Step], bind) -> list[Outcome]:
+    call, out = bind(state), []
     for step in steps:
-        o = penalty_step(with_state(state), step, grad, direction)
-        o.state = {k: v.clone() for k, v in state.state_dict().items()}
+        o = outcome(call, step)
+        o.state = snapshot(state)
         out.append(o)
     return out
+
+
+def check_resume_and_layouts(make, steps, bind, run: list[Outcome], k: int, what: str) -> None:
+    """A fresh ``make()`` loaded with the state_dict saved after batch k repeats ``run`` from
+    batch k + 1 bit for bit; every batch right-padded gives ``run`` up to rounding."""
+    replay = make()
+    run_sequence(replay, steps[: k + 1], bind)
+    resumed = make()
+    resumed.load_state_dict(copy.deepcopy(replay.state_dict()))
+    assert_outcomes_equal(
+        run_sequence(resumed, steps[k + 1 :], bind), run[k + 1 :], f"{what} resumed after {k}"
+    )
+    flat = run_sequence(make(), [replace(s, layout="right") for s in steps], bind)
+    for j, (a, b) in enumerate(zip(flat, run, strict=True)):
+        dtype = state_dtype(steps[: j + 1])
+        assert_close_up_to_rounding(a.loss, b.loss, dtype, f"{what} batch {j}: value by layout")
+        assert_close_up_to_rounding(a.grad, b.grad, dtype, f"{what} batch {j}: grad by layout")
+        for n in a.state:
+            assert_close_up_to_rounding(a.state[n], b.state[n], dtype, f"{what} {n} by layout")
 
 
 def assert_unchanged(state: dict, before: dict, what: str) -> None:
@@ -416,6 +444,7 @@ def test_baseline_states_follow_their_documented_rule_over_a_sequence(
     all-right-padded give the same losses, gradients and states."""
     grad, direction = setup
     state, ref = new_state(kind, decay)
+    bind = penalty_call(grad, direction)
     sign = 1.0 if direction == "pi||ref" else -1.0
     run = []
     for k, step in enumerate(steps):
@@ -423,13 +452,11 @@ def test_baseline_states_follow_their_documented_rule_over_a_sequence(
         dtype = state_dtype(steps[: k + 1])
         r = reference_rows(step.batch)
         a, ok = aligned_targets(r, grad, direction)
-        if kind == "baseline-ema":
-            b = ref.baseline(a, ok)
-        else:
-            b = ref.baseline(a, ok, step.batch.group.reshape(-1))
-        before = copy.deepcopy(state.state_dict())
-        o = penalty_step(with_state(state), step, grad, direction)
-        o.state = {n: v.clone() for n, v in state.state_dict().items()}
+        group = step.batch.group.reshape(-1)
+        b = ref.baseline(a, ok) if kind == "baseline-ema" else ref.baseline(a, ok, group)
+        before = snapshot(state)
+        o = outcome(bind(state), step)
+        o.state = snapshot(state)
         run.append(o)
         what = f"{kind} {grad} {direction} batch {k} ({step.layout}, {step.batch.dtype})"
         want = spread(torch.where(ok, sign * (a - b), 0.0), r)
@@ -442,24 +469,486 @@ def test_baseline_states_follow_their_documented_rule_over_a_sequence(
         if kind == "baseline-ema":
             ref.update(a, ok)
         else:
-            ref.update(a, ok, step.batch.group.reshape(-1))
+            ref.update(a, ok, group)
         ref.check(state, dtype, what)
-
-    # Resumed from a checkpoint after batch k: bit for bit the uninterrupted run.
     k = data.draw(st.integers(0, len(steps) - 1), label="checkpoint")
-    replay, _ = new_state(kind, decay)
-    run_sequence(replay, steps[: k + 1], grad, direction)
-    resumed, _ = new_state(kind, decay)
-    resumed.load_state_dict(copy.deepcopy(replay.state_dict()))
-    tail = run_sequence(resumed, steps[k + 1 :], grad, direction)
-    assert_outcomes_equal(tail, run[k + 1 :], f"{kind} resumed after batch {k}")
+    check_resume_and_layouts(lambda: new_state(kind, decay)[0], steps, bind, run, k, kind)
 
-    # Every batch right-padded: the same losses, gradients and states up to rounding.
-    right, _ = new_state(kind, decay)
-    flat = run_sequence(right, [replace(s, layout="right") for s in steps], grad, direction)
-    for j, (a, b) in enumerate(zip(flat, run, strict=True)):
-        dtype = state_dtype(steps[: j + 1])
-        assert_close_up_to_rounding(a.loss, b.loss, dtype, f"{kind} batch {j}: loss by layout")
-        assert_close_up_to_rounding(a.grad, b.grad, dtype, f"{kind} batch {j}: grad by layout")
-        for n in a.state:
-            assert_close_up_to_rounding(a.state[n], b.state[n], dtype, f"{kind} {n} by layout")
+
+# -- AlphaEMA through kl_estimate(estimator="cv") ------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CVTerms:
+    """Float64 ``a = w k1``, ``b = w u`` (``u`` the zero-mean control variate, so ``cv = a +
+    alpha b``), their rounding sizes and where they count, per token or per sequence."""
+
+    a: torch.Tensor
+    b: torch.Tensor
+    size_a: torch.Tensor
+    size_b: torch.Tensor
+    valid: torch.Tensor
+
+
+def cv_terms(r: Rows, direction: str, level: str, off_policy: bool) -> CVTerms:
+    delta, valid = r.delta, r.valid
+    spread_in = (r.lp.abs() + r.lq.abs()).double()  # the log-ratio's rounding, in units of u
+    log_w = r.lp - r.lb if off_policy else torch.zeros_like(delta)
+    w_spread = (r.lp.abs() + r.lb.abs()) if off_policy else torch.zeros_like(delta)
+    if level == "sequence":
+        delta, log_w = delta.sum(-1, keepdim=True), log_w.sum(-1, keepdim=True)
+        spread_in, w_spread = spread_in.sum(-1, keepdim=True), w_spread.sum(-1, keepdim=True)
+        valid = valid.any(-1, keepdim=True)
+    ratio = torch.exp(-delta)
+    if direction == "pi||ref":
+        k1, dk1, u = delta, torch.ones_like(delta), torch.expm1(-delta)
+    else:
+        k1, dk1, u = -delta * ratio, ratio * (delta - 1), -torch.expm1(-delta)
+    w = torch.exp(log_w)
+    a, b = torch.where(valid, w * k1, 0.0), torch.where(valid, w * u, 0.0)
+    # |d a / d delta| and |d b / d delta| times delta's rounding, plus the weight's.
+    size_a = (w * dk1).abs() * spread_in + a.abs() * (1 + w_spread)
+    size_b = (w * ratio).abs() * spread_in + b.abs() * (1 + w_spread)
+    return CVTerms(a, b, size_a, size_b, valid)
+
+
+def moments_of(t: CVTerms) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batch's mean ``(a, b, ab, bb)`` over its valid entries and their rounding sizes."""
+    v = t.valid
+    a, b, sa, sb = t.a[v], t.b[v], t.size_a[v], t.size_b[v]
+    means = torch.stack([a.mean(), b.mean(), (a * b).mean(), (b * b).mean()])
+    sizes = torch.stack(
+        [sa.mean(), sb.mean(), (sa * b.abs() + sb * a.abs()).mean(), (2 * sb * b.abs()).mean()]
+    )
+    return means, sizes
+
+
+def alpha_tolerance(m: torch.Tensor, size: torch.Tensor, dtype: torch.dtype, rtol: float):
+    """``(alpha, tolerance)`` from the brute-force moments, or None where rounding of the moments
+    can decide whether alpha is defined (variance within its error of 0 or of the ``rtol``
+    cut): the error of ``-cov / var`` propagated from the moments' (module docstring)."""
+    ea, eb, eab, ebb = (float(v) for v in m)
+    ta, tb, tab, tbb = (1e3 * eps_of(dtype) * (1 + float(v)) for v in size)
+    var, cov = ebb - eb * eb, eab - ea * eb
+    dvar = tbb + 2 * abs(eb) * tb + tb * tb
+    dcov = tab + abs(ea) * tb + abs(eb) * ta + ta * tb
+    if abs(var - rtol * ebb) <= dvar + rtol * tbb or var <= 2 * dvar:
+        return None if var > rtol * ebb - dvar - rtol * tbb else ("init", 0.0)
+    alpha = -cov / var
+    return alpha, (dcov + abs(alpha) * dvar) / (var - dvar)
+
+
+@given(
+    steps=sequences(),
+    direction=st.sampled_from(("pi||ref", "ref||pi")),
+    level=st.sampled_from(("token", "sequence")),
+    off_policy=st.booleans(),
+    decay=st.sampled_from(DECAYS),
+    data=st.data(),
+)
+@settings(max_examples=200, deadline=None)
+def test_alpha_ema_follows_its_documented_rule_over_a_sequence(
+    steps, direction, level, off_policy, decay, data
+):
+    """AlphaEMA as ``cv``'s coefficient over a drawn sequence: each batch's values are ``w (k1
+    + alpha u)`` with alpha from the brute-force moments of the *earlier* batches (init before
+    any, or while u has no variance), the moments after each batch are the brute force's
+    (bias-corrected averages of the batches' means over valid entries), an all-empty batch
+    changes nothing, a resumed state_dict repeats the run bit for bit, layouts agree."""
+    init = 0.7
+    make = lambda: klest.AlphaEMA(decay=decay, init=init)  # noqa: E731
+    ema, history = make(), History(decay)
+    reduction = "none" if level == "token" else "per-sequence"
+
+    def bind(state):
+        return lambda x: klest.kl_estimate(
+            x.logp,
+            x.logp_ref,
+            estimator="cv",
+            alpha=state,
+            direction=direction,
+            mask=x.mask,
+            reduction=reduction,
+            level=level,
+            logp_behavior=x.logp_behavior if off_policy else None,
+        )
+
+    run = []
+    for k, step in enumerate(steps):
+        dtype = state_dtype(steps[: k + 1])
+        what = f"AlphaEMA {direction} {level} off={off_policy} batch {k} ({step.batch.dtype})"
+        t = cv_terms(reference_rows(step.batch), direction, level, off_policy)
+        past = history.average(0)
+        before = snapshot(ema)
+        used = ema.alpha.clone()
+        o = outcome(bind(ema), step)
+        o.state = snapshot(ema)
+        run.append(o)
+        if past is None:
+            assert float(used) == init, f"{what}: {float(used)} before any batch, not init"
+        else:
+            want = alpha_tolerance(past[0], past[1], dtype, rtol=1e-10)
+            if want is not None and want[0] == "init":
+                assert float(used) == init, f"{what}: u has no variance yet alpha {float(used)}"
+            elif want is not None:
+                alpha, tol = want
+                assert abs(float(used) - alpha) <= tol, f"{what}: alpha {float(used)} vs {alpha}"
+        coef = used.to(compute_dtype(step.batch.dtype)).double()
+        value = torch.where(t.valid, t.a + coef * t.b, 0.0)
+        size = t.size_a + coef.abs() * t.size_b + t.a.abs() + (coef * t.b).abs()
+        got = o.loss.reshape(value.shape)
+        assert_close_to(got, value, size, dtype, f"{what}: cv values")
+        if bool(t.valid.any()):
+            history.add(0, torch.stack(moments_of(t)))
+        else:
+            assert_unchanged(o.state, before, f"{what}: an all-empty batch")
+        now = history.average(0)
+        assert (now is None) == (float(ema.weight) == 0), f"{what}: weight {float(ema.weight)}"
+        if now is not None:
+            assert ema.moments.dtype == torch.float64, what
+            assert_close_to(ema.moments / ema.weight, now[0], now[1], dtype, f"{what}: moments")
+    k = data.draw(st.integers(0, len(steps) - 1), label="checkpoint")
+    check_resume_and_layouts(make, steps, bind, run, k, "AlphaEMA")
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16, torch.float32])
+def test_casting_a_model_keeps_the_states_float64_values(cast):
+    """``model.to(bf16)`` must leave the float64 moving averages as they are: they were cast to
+    the model's dtype and back, rounding them to 8 bits (BaselineEMA, LooScaleEMA, AlphaEMA)."""
+    valid = torch.ones(2, 1, dtype=torch.bool)
+    targets = torch.tensor([[0.123456789], [0.3]], dtype=torch.float64)
+    baseline, fit, alpha = klest.BaselineEMA(), klest.LooScaleEMA(), klest.AlphaEMA()
+    baseline(targets, valid)
+    fit(targets, valid, torch.zeros(2, dtype=torch.int64))
+    alpha(targets, targets.expm1(), valid)
+    for state in (baseline, fit, alpha):
+        before = snapshot(state)
+        state.to(cast)
+        assert_unchanged(snapshot(state), before, f"{type(state).__name__}.to({cast})")
+        assert all(v.dtype == torch.float64 for v in state.state_dict().values())
+
+
+# -- klest.nn modules over sequences -------------------------------------------------------------
+
+
+@given(
+    steps=sequences(),
+    baseline=st.sampled_from(("ema", "loo-ema")),
+    setup=st.sampled_from(SETUPS),
+    cast=st.sampled_from((torch.float64, torch.bfloat16)),
+    data=st.data(),
+)
+@settings(max_examples=100, deadline=None)
+def test_kl_penalty_module_over_a_sequence(steps, baseline, setup, cast, data):
+    """``KLPenalty(estimator="cv", alpha="ema", baseline=...)`` equals ``beta * kl_penalty`` with
+    states of its own, bit for bit, over the sequence; cast with ``.to(dtype)`` after a drawn
+    batch it keeps float64 state and the same results; a state_dict resume repeats the run."""
+    grad, direction = setup
+    beta = 0.25
+
+    def make():
+        return KLPenalty(
+            estimator="cv",
+            alpha="ema",
+            alpha_decay=0.5,
+            grad=grad,
+            direction=direction,
+            reduction="sum",
+            baseline=baseline,
+            baseline_decay=0.5,
+            beta=beta,
+        )
+
+    state_type = klest.BaselineEMA if baseline == "ema" else klest.LooScaleEMA
+    states = (state_type(decay=0.5), klest.AlphaEMA(decay=0.5))
+
+    def by_function(x: Inputs) -> torch.Tensor:
+        return beta * klest.kl_penalty(
+            x.logp,
+            x.logp_ref,
+            estimator="cv",
+            alpha=states[1],
+            grad=grad,
+            direction=direction,
+            mask=x.mask,
+            reduction="sum",
+            baseline=states[0],
+            group=x.group,
+        )
+
+    def bind(module):
+        return lambda x: module(x.logp, x.logp_ref, mask=x.mask, group=x.group)
+
+    module, cast_after = make(), data.draw(st.integers(0, len(steps) - 1), label="cast after")
+    run = []
+    for k, step in enumerate(steps):
+        o, want = outcome(bind(module), step), outcome(by_function, step)
+        assert torch.equal(o.loss, want.loss), f"batch {k}: module vs function loss"
+        assert torch.equal(o.grad, want.grad), f"batch {k}: module vs function gradient"
+        o.state = snapshot(module)
+        run.append(o)
+        if k == cast_after:
+            module.to(cast)
+            assert all(v.dtype == torch.float64 for v in module.state_dict().values()), cast
+            assert_outcomes_equal([replace(o, state=snapshot(module))], [o], f"cast to {cast}")
+    k = data.draw(st.integers(0, len(steps) - 1), label="checkpoint")
+    check_resume_and_layouts(make, steps, bind, run, k, f"KLPenalty {baseline}")
+
+
+# -- the remaining public functions on drawn batches ---------------------------------------------
+
+DIVERGENCES = {
+    # name: (f, f'(1)); the f-divergence E_pi[f(r)] with r = ref / pi
+    "kl(pi||ref)": (lambda r: -torch.log(r), -1.0),
+    "kl(ref||pi)": (lambda r: torch.xlogy(r, r), 1.0),
+    "chi2": (lambda r: (r - 1) ** 2, 0.0),
+    "hellinger": (lambda r: (r.sqrt() - 1) ** 2, 0.0),
+}
+
+
+def elementwise_reference(g, r: Rows, level: str, off_policy: bool):
+    """``w g(delta)`` in float64 per token (or per sequence) and its rounding size: the terms
+    ``g`` returns as the second output, plus ``|g'(delta)|`` times the log-ratio's rounding and
+    the weight's (autograd of the float64 formula)."""
+    delta, valid = r.delta, r.valid
+    spread_in = r.lp.abs() + r.lq.abs()
+    log_w = r.lp - r.lb if off_policy else torch.zeros_like(delta)
+    w_spread = r.lp.abs() + r.lb.abs() if off_policy else torch.zeros_like(delta)
+    if level == "sequence":
+        delta, log_w = delta.sum(-1, keepdim=True), log_w.sum(-1, keepdim=True)
+        spread_in, w_spread = spread_in.sum(-1, keepdim=True), w_spread.sum(-1, keepdim=True)
+        valid = valid.any(-1, keepdim=True)
+    d = delta.clone().requires_grad_()
+    value, terms = g(d)
+    (slope,) = torch.autograd.grad(value.sum(), d)
+    w = torch.exp(log_w)
+    out = torch.where(valid, w * value.detach(), 0.0)
+    size = w * (terms.detach() + slope.abs() * spread_in) + out.abs() * w_spread
+    return out, torch.where(valid, size, 0.0), valid
+
+
+def reduced(values: torch.Tensor, valid: torch.Tensor, lead, reduction: str) -> torch.Tensor:
+    """``reduce_by_hand`` of ``[rows, T']`` values in the batch's layout (``[*lead, T']``)."""
+    shape = (*lead, values.shape[-1])
+    return reduce_by_hand(values.reshape(shape), valid.reshape(shape), reduction)
+
+
+def same_layout(out: torch.Tensor, step: Step, reduction: str) -> torch.Tensor:
+    return right_layout(out, step) if reduction == "none" else out
+
+
+@given(
+    step=sequences().map(lambda s: s[0]),
+    fn=st.sampled_from((*DIVERGENCES, "k_abs")),
+    given_slope=st.booleans(),
+    level=st.sampled_from(("token", "sequence")),
+    direction=st.sampled_from(("pi||ref", "ref||pi")),
+    off_policy=st.booleans(),
+    data=st.data(),
+)
+@settings(max_examples=300, deadline=None)
+def test_f_divergence_and_k_abs_match_float64_formulas(
+    step, fn, given_slope, level, direction, off_policy, data
+):
+    """``f_divergence`` (``f(r) - f'(1)(r - 1)``, f'(1) given or by autograd) and ``k_abs``
+    (``|delta|``, ``|r log r|``), weighted off-policy, every reduction: the float64 formula
+    reduced by hand; garbage under the mask gives the result of zeros there, bit for bit; 0
+    gradient under the mask; left and right padding agree."""
+    reductions = SEQUENCE_REDUCTIONS if level == "sequence" else ALL_REDUCTIONS
+    reduction = data.draw(st.sampled_from(reductions), label="reduction")
+    batch = step.batch
+
+    def call(x: Inputs) -> torch.Tensor:
+        common = dict(mask=x.mask, reduction=reduction, level=level)
+        behavior = x.logp_behavior if off_policy else None
+        if fn == "k_abs":
+            return klest.k_abs(
+                x.logp, x.logp_ref, direction=direction, logp_behavior=behavior, **common
+            )
+        f, slope = DIVERGENCES[fn]
+        return klest.f_divergence(
+            x.logp,
+            x.logp_ref,
+            f=f,
+            f_prime_at_1=slope if given_slope else None,
+            logp_behavior=behavior,
+            **common,
+        )
+
+    if fn == "k_abs":
+
+        def g(d):
+            v = d.abs() if direction == "pi||ref" else (d * torch.exp(-d)).abs()
+            return v, v
+
+    else:
+        f, slope = DIVERGENCES[fn]
+
+        def g(d):
+            r = torch.exp(-d)
+            return f(r) - slope * (r - 1), f(r).abs() + abs(slope) * (r - 1).abs()
+
+    values, size, valid = elementwise_reference(g, reference_rows(batch), level, off_policy)
+    want = reduced(values, valid, batch.lead, reduction)
+    tol_size = reduced(size, valid, batch.lead, reduction)
+    dtype = batch.dtype
+    x = inputs(batch, layout=step.layout)
+    got = call(x)
+    assert got.dtype == compute_dtype(dtype), f"{fn}: dtype {got.dtype}"
+    assert_close_to(same_layout(got.detach(), step, reduction), want, tol_size, dtype, fn)
+    (grad,) = torch.autograd.grad(got.sum(), x.logp)
+    assert bool(torch.isfinite(grad).all()) and not bool(grad[~x.mask].any()), f"{fn}: grad"
+    clean = call(inputs(batch, layout=step.layout, garbage=False))
+    assert torch.equal(got, clean), f"{fn}: garbage under the mask was read"
+    other = "left" if step.layout == "right" else "right"
+    flipped = same_layout(call(inputs(batch, layout=other)), replace(step, layout=other), reduction)
+    assert_close_up_to_rounding(
+        flipped.detach(), same_layout(got.detach(), step, reduction), dtype, f"{fn} by layout"
+    )
+
+
+@given(step=sequences().map(lambda s: s[0]), masked=st.booleans(), data=st.data())
+@settings(max_examples=200, deadline=None)
+def test_aggregate_matches_the_reduction_table(step, masked, data):
+    """``aggregate`` of per-token values (garbage under the mask) by every reduction: the
+    reductions by hand in float64, bit for bit the result of zeros under the mask, the same
+    for left and right padding; without a mask every position counts."""
+    reduction = data.draw(st.sampled_from(ALL_REDUCTIONS), label="reduction")
+    batch, dtype = step.batch, step.batch.dtype
+    x = inputs(batch, layout=step.layout, garbage=masked)
+    mask = x.mask if masked else None
+    got = klest.aggregate(x.logp, mask=mask, reduction=reduction)
+    assert got.dtype == x.logp.dtype, f"aggregate: dtype {got.dtype} of {x.logp.dtype} values"
+    keep = x.mask if masked else torch.ones_like(x.mask)
+    values = torch.where(keep, x.logp.detach().double(), 0.0)
+    want = reduce_by_hand(values, keep, reduction)
+    size = reduce_by_hand(values.abs(), keep, reduction)
+    tol_dtype = dtype if dtype == torch.float64 else torch.float32
+    assert_close_to(got, want, size, tol_dtype, f"aggregate {reduction}")
+    if masked:
+        clean = inputs(batch, layout=step.layout, garbage=False)
+        assert torch.equal(got, klest.aggregate(clean.logp, mask=clean.mask, reduction=reduction))
+        other = "left" if step.layout == "right" else "right"
+        y = inputs(batch, layout=other)
+        flipped = klest.aggregate(y.logp, mask=y.mask, reduction=reduction)
+        assert_close_up_to_rounding(
+            same_layout(flipped.detach(), replace(step, layout=other), reduction),
+            same_layout(got.detach(), step, reduction),
+            tol_dtype,
+            "aggregate by layout",
+        )
+
+
+@given(step=sequences().map(lambda s: s[0]))
+@settings(max_examples=200, deadline=None)
+def test_decouple_gives_the_value_forward_and_the_surrogate_gradient_backward(step):
+    """``decouple(value, logp * c)``: forward exactly ``value`` (whatever it holds, NaN
+    included), gradient to ``logp`` exactly ``c``, none to ``value``; a non-finite surrogate
+    (garbage under a mask it has no notion of) is a ValueError naming the surrogate."""
+    x = inputs(step.batch, layout=step.layout)
+    value = x.logp_ref.detach().clone().requires_grad_()
+    coef = torch.where(x.mask, x.logp_behavior.detach(), 0.5)
+    clean = inputs(step.batch, layout=step.layout, garbage=False).logp.detach().requires_grad_()
+    out = klest.decouple(value, clean * coef)
+    assert torch.equal(out.isnan(), value.isnan()), "decouple: NaN pattern of the value"
+    same = torch.where(value.isnan(), 0.0, value.detach())
+    assert torch.equal(torch.where(out.isnan(), 0.0, out.detach()), same), "decouple: value"
+    g_logp, g_value = torch.autograd.grad(out.sum(), (clean, value), allow_unused=True)
+    assert torch.equal(g_logp, coef), "decouple: gradient is not the surrogate's"
+    assert g_value is None or not bool(g_value.any()), "decouple: the value passed a gradient"
+    surrogate = x.logp * coef
+    if bool(torch.isfinite(surrogate).all()):
+        klest.decouple(value, surrogate, validate=True)
+    else:
+        with pytest.raises(ValueError, match="surrogate"):
+            klest.decouple(value, surrogate, validate=True)
+
+
+def exact_kl_reference(z: torch.Tensor, y: torch.Tensor, keep: torch.Tensor, direction: str):
+    """Per-position float64 KL of the rounded logits and its rounding size ``(1 + M) C`` with
+    ``M = max|z| + max|y|`` over the position's vocabulary (``tests/logits/test_logits_batches``:
+    the log-softmax's absolute error is a few u M; ``C = 1`` here, the ``1e3`` covers it)."""
+    lz = torch.where(keep.unsqueeze(-1), z.double(), 0.0).log_softmax(-1)
+    ly = torch.where(keep.unsqueeze(-1), y.double(), 0.0).log_softmax(-1)
+    kl = kl_rows(lz, ly) if direction == "pi||ref" else kl_rows(ly, lz)
+    big = z.double().abs().amax(-1) + y.double().abs().amax(-1)
+    return torch.where(keep, kl, 0.0), torch.where(keep, 1 + big + kl.abs(), 0.0)
+
+
+@given(
+    steps=sequences(),
+    which=st.sampled_from(("categorical_kl", "KLFromLogits", "KLFromHidden")),
+    direction=st.sampled_from(("pi||ref", "ref||pi")),
+    data=st.data(),
+)
+@settings(max_examples=150, deadline=None)
+def test_exact_kls_and_their_modules_over_a_sequence(steps, which, direction, data):
+    """``categorical_kl``, ``KLFromLogits`` and ``KLFromHidden`` (one module over the whole
+    sequence, ``.double()`` after a drawn batch): the float64 KL of the softmaxes reduced by
+    hand, for every reduction; garbage in masked positions' logits (or hidden states) gives bit
+    for bit the result of zeros there; 0 gradient there; left and right padding agree."""
+    reduction = data.draw(st.sampled_from(ALL_REDUCTIONS), label="reduction")
+    cast_after = data.draw(st.integers(0, len(steps) - 1), label="cast after")
+    gen = torch.Generator().manual_seed(data.draw(st.integers(0, 2**31 - 1), label="seed"))
+    vocab = {s.batch.logits.shape[-1] for s in steps}
+    # Heads and hidden states on a grid of halves, H = 3: every logit is exact in every dtype.
+    heads = {v: torch.nn.Linear(3, v).double().requires_grad_(False) for v in vocab}
+    for head in heads.values():
+        head.weight.copy_(torch.randint(-3, 4, head.weight.shape, generator=gen) / 2)
+        head.bias.copy_(torch.randint(-3, 4, head.bias.shape, generator=gen) / 2)
+    modules = {
+        "KLFromLogits": KLFromLogits(direction=direction, reduction=reduction),
+        "KLFromHidden": {
+            v: KLFromHidden(h, direction=direction, reduction=reduction) for v, h in heads.items()
+        },
+    }
+    for k, step in enumerate(steps):
+        batch, dtype = step.batch, step.batch.dtype
+        v = batch.logits.shape[-1]
+        hidden = torch.randint(-3, 4, (*batch.lead, batch.t, 3), generator=gen) / 2
+
+        def call(
+            x: Inputs, garbage: bool = True, *, step=step, batch=batch, v=v, hidden=hidden
+        ) -> torch.Tensor:
+            dtype = batch.dtype
+            if which == "categorical_kl":
+                return klest.categorical_kl(
+                    x.logits, x.logits_ref, direction=direction, mask=x.mask, reduction=reduction
+                )
+            if which == "KLFromLogits":
+                return modules[which](x.logits, x.logits_ref, mask=x.mask)
+            h = hidden if step.layout == "right" else to_left(hidden, batch)
+            h = torch.where(x.mask.unsqueeze(-1), h, math.nan if garbage else 0.0)
+            heads[v].to(dtype)
+            return modules[which][v](h.to(dtype), logits_ref=x.logits_ref, mask=x.mask)
+
+        x = inputs(batch, layout=step.layout)
+        z = x.logits
+        if which == "KLFromHidden":
+            h = hidden if step.layout == "right" else to_left(hidden, batch)
+            z = (h.double() @ heads[v].weight.T.double() + heads[v].bias.double()).to(dtype)
+        kl, size = exact_kl_reference(z, x.logits_ref, x.mask, direction)
+        want = reduce_by_hand(kl, x.mask, reduction)
+        got = call(x)
+        what = f"{which} {direction} {reduction} batch {k} ({dtype}, {step.layout})"
+        assert got.dtype == compute_dtype(dtype), f"{what}: dtype {got.dtype}"
+        assert_close_to(got.detach(), want, reduce_by_hand(size, x.mask, reduction), dtype, what)
+        if which != "KLFromHidden":
+            (grad,) = torch.autograd.grad(got.sum(), x.logits)
+            assert not bool(grad[~x.mask].any()), f"{what}: gradient under the mask"
+        clean = call(inputs(batch, layout=step.layout, garbage=False), garbage=False)
+        assert torch.equal(got, clean), f"{what}: garbage under the mask was read"
+        other = replace(step, layout="left" if step.layout == "right" else "right")
+        y = inputs(batch, layout=other.layout)
+        flipped = call(y) if which != "KLFromHidden" else None
+        if flipped is not None:
+            assert_close_up_to_rounding(
+                same_layout(flipped.detach(), other, reduction),
+                same_layout(got.detach(), step, reduction),
+                dtype,
+                f"{what}: by layout",
+            )
+        if k == cast_after and which != "categorical_kl":
+            module = modules[which] if which == "KLFromLogits" else modules[which][v]
+            module.double()
+            assert torch.equal(call(x), got), f"{what}: .double() changed the module's result"

@@ -30,6 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from klest._checks import check_choice, check_decay
+from klest._numerics import keep_float64
 from klest._types import AlphaFit
 
 
@@ -201,10 +202,8 @@ class AlphaEMA(nn.Module):
         return coef
 
     def _apply(self, fn, recurse=True):
-        # Follow .to(device), but keep float64 state when a model is cast to bf16 / fp16.
-        super()._apply(fn, recurse)
-        self.moments, self.weight = self.moments.double(), self.weight.double()
-        return self
+        # Follow .to(device), but keep float64 state (values too) when a model is cast.
+        return super()._apply(keep_float64(fn), recurse)
 
     def extra_repr(self) -> str:
         return f"decay={self.decay}, init={self.init}"

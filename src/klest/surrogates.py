@@ -45,6 +45,7 @@ from torch import Tensor, nn
 from klest._autodiff import transforms_active
 from klest._checks import ValueChecks, check_decay, check_tensor, resolve_validate
 from klest._masks import keep_valid_into
+from klest._numerics import keep_float64
 from klest.sequence import ShiftBuffer, first_token
 
 
@@ -122,11 +123,8 @@ class Float64EMAState(nn.Module):
         return tuple(getattr(self, name)[:t] for name in self.BUFFERS)
 
     def _apply(self, fn, recurse=True):
-        # Follow .to(device), but keep float64 state when a model is cast to bf16 / fp16.
-        super()._apply(fn, recurse)
-        for name in self.BUFFERS:
-            setattr(self, name, getattr(self, name).double())
-        return self
+        # Follow .to(device), but keep float64 state (values too) when a model is cast.
+        return super()._apply(keep_float64(fn), recurse)
 
     def _load_from_state_dict(self, state_dict: dict[str, Any], prefix: str, *args) -> None:
         # The buffers grow with the longest sequence seen; take the saved length.
