@@ -148,17 +148,3 @@ def x_exp(x: Tensor) -> Tensor:
     """``x e^x`` with the limit 0 at x = -inf (``r log r`` at ``r = 0``)."""
     x = x.clamp(min=torch.finfo(x.dtype).min)
     return x * torch.exp(x)
-
-
-def keep_float64(fn):
-    """``fn`` (what ``nn.Module._apply`` maps over buffers) for float64 state: moves to the
-    device ``fn`` chooses but never changes the dtype, so casting a model to bf16 / fp16 neither
-    changes the state's dtype nor rounds its values (``fn(t).double()`` would round them)."""
-
-    def apply(t):
-        moved = fn(t)
-        if moved.dtype == torch.float64:
-            return moved
-        return t.to(device=moved.device)
-
-    return apply

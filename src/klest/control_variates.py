@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from klest._checks import check_choice, check_decay
-from klest._numerics import keep_float64
+from klest._state import keep_float64
 from klest._types import AlphaFit
 
 

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from klest._autodiff import transforms_active
 from klest._checks import ValueChecks, check_decay, check_tensor, resolve_validate
 from klest._masks import keep_valid_into
-from klest._numerics import keep_float64
+from klest._state import keep_float64
 from klest.sequence import ShiftBuffer, first_token
 
 
