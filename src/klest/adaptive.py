@@ -208,7 +208,9 @@ class LooScaleEMA(Float64EMAState):
     a mate. The scale of batch k uses batches before k only, so it is independent of the
     current samples and the gradient stays unbiased (as for :class:`klest.BaselineEMA`); the
     batch is folded in after. Before any batch (or at a position never seen) the scale is 0: no
-    baseline.
+    baseline. A batch with no row that has a mate at t is skipped there (it neither adds to nor
+    ages position t's sums, so at decay 0 the last scale stays), and a position whose
+    denominator is below 1e-12 times the largest position's gets scale 0.
 
     Against ``baseline="loo-fitted"`` (the same regression cross-fitted on half of the current
     batch, :func:`baseline_scale`): the regression here uses the full leave-one-out mean (the

@@ -144,8 +144,8 @@ class AlphaEMA(nn.Module):
     for the moments :math:`m = (E[a], E[b], E[ab], E[b^2])` (``a`` = k1, ``b = u``), bias-corrected
     as in Adam. Each call of an estimator with ``alpha=ema`` uses the coefficient fitted on
     *previous* batches (independent of the current samples, so the estimate stays unbiased),
-    then folds the current batch in. Before the first batch, and while the batches' ``u`` has no
-    variance, it is ``init``.
+    then folds the current batch in (a batch with no valid sample leaves the state as it was).
+    Before the first batch, and while the batches' ``u`` has no variance, it is ``init``.
 
     The state lives in float64 buffers (``moments``, ``weight``) on the tensors' device, so it
     moves with ``.to()`` (staying float64 when a model is cast to bf16), is saved in

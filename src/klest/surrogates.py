@@ -142,11 +142,12 @@ class BaselineEMA(Float64EMAState):
                                {\sum_{j<k} \gamma^{k-1-j} (1-\gamma)}
 
     where :math:`\bar A_t^{(j)}` is batch j's mean target at position t (over the rows valid
-    there), and batches without a valid row at t are skipped. Per-sequence targets (the score
-    function) keep one average; per-position targets (cumulative) one per position, counted from
-    each completion's first token. Each call uses the average of *previous* batches
-    (independent of the current samples, so the gradient stays unbiased), then folds the current
-    batch in. Before any batch the baseline is 0.
+    there), and batches without a valid row at t are skipped: they neither add to position t's
+    average nor age it (j and k count only the batches that had a valid row at t). Per-sequence
+    targets (the score function) keep one average; per-position targets (cumulative) one per
+    position, counted from each completion's first token. Each call uses the average of
+    *previous* batches (independent of the current samples, so the gradient stays unbiased),
+    then folds the current batch in. Before any batch the baseline is 0.
 
     The averages live in float64 buffers (``sums``, ``weights``) on the tensors' device, so they
     move with ``.to()`` (staying float64 when a model is cast to bf16), are saved in
