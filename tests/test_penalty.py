@@ -754,6 +754,12 @@ def test_singleton_count_is_of_samples_with_tokens():
         return_details=True,
     )
     assert details.n_singleton_samples == 1
+    # Sequences with no token at all (T = 0, no mask): no sample, so none alone.
+    empty = torch.zeros(3, 0, dtype=torch.float64)
+    _, details = klest.kl_penalty(
+        empty, empty, baseline="loo", group=torch.tensor([0, 1, 1]), return_details=True
+    )
+    assert details.n_singleton_samples == 0 and details.diagnostics.n_empty_rows == 3
 
 
 @pytest.mark.parametrize(

@@ -71,3 +71,10 @@ def test_a_warning_read_with_the_checks_points_at_the_callers_line(monkeypatch):
     options = dict(estimator="cv", alpha="loo", level="sequence", group=torch.tensor([0, 0, 1]))
     caught, line = _caught(lambda: klest.kl_estimate(lp, lr, **options))
     _assert_here(caught, line, UserWarning, "fits alpha within groups")
+
+
+def test_a_klest_module_warns_at_the_callers_line_not_in_torch():
+    lp, lr = _log_probs()
+    penalty = klest.nn.KLPenalty(grad="token")
+    caught, line = _caught(lambda: penalty(lp, lr))
+    _assert_here(caught, line, KLGradientWarning, "grad='token'")

@@ -3,8 +3,10 @@
 Fast paths that write in place (``out=``, ``addcmul_``) or skip autograd (integer bit masks) are
 valid only when nothing records a derivative through them: no autograd graph, no forward-mode
 AD level (``torch.autograd.forward_ad``, ``torch.func.jvp``) and no functorch transform
-(``torch.func.grad``, ``vmap``). Forward-mode AD rejects ``out=`` functions, ``vmap`` has no
-batching rule for them, and an integer operation carries no tangent.
+(``torch.func.grad``, ``vmap``), and no ``torch.compile`` tracing. Forward-mode AD rejects
+``out=`` functions, ``vmap`` has no batching rule for them, an integer operation carries no
+tangent, and Dynamo breaks the graph at an ``out=`` into a strided view (the plain operations
+are what the compiler fuses anyway).
 """
 
 from __future__ import annotations
@@ -15,8 +17,8 @@ from torch.autograd import forward_ad
 
 
 def transforms_active() -> bool:
-    """Whether a forward-mode AD level or a functorch transform is active (a C call and an
-    attribute read: well under a microsecond)."""
+    """Whether a forward-mode AD level or a functorch transform is active, or ``torch.compile``
+    is tracing (C calls and an attribute read: well under a microsecond)."""
     if getattr(forward_ad, "_current_level", -1) >= 0 or torch.compiler.is_compiling():
         return True
     active = getattr(torch._C, "_are_functorch_transforms_active", None)

@@ -20,10 +20,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import os
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator
+from types import FrameType
 from typing import Any, get_args
 
 import torch
@@ -53,27 +54,26 @@ class ArgumentNames:
 
 KLEST_NAMES = ArgumentNames()
 
-# A module global rather than a ContextVar: torch.compile traces a global's read, and breaks
-# the graph at ContextVar.get. (Two threads calling at once could see each other's names, in
-# messages only.)
-_caller_names = KLEST_NAMES
+_caller = threading.local()
+"""Per thread, the names set by the innermost :func:`named_by_caller` (``names``)."""
 
 
 @contextlib.contextmanager
 def named_by_caller(names: ArgumentNames) -> Iterator[None]:
     """Within the block, :func:`klest.kl_penalty` names its arguments as ``names`` (a drop-in
-    calls it with its peer's arguments)."""
-    global _caller_names
-    outer, _caller_names = _caller_names, names
+    calls it with its peer's arguments), in this thread only."""
+    outer = getattr(_caller, "names", KLEST_NAMES)
+    _caller.names = names
     try:
         yield
     finally:
-        _caller_names = outer
+        _caller.names = outer
 
 
 def caller_names() -> ArgumentNames:
-    """The names set by the innermost :func:`named_by_caller` (klest's own by default)."""
-    return _caller_names
+    """The names set by the innermost :func:`named_by_caller` in this thread (klest's own by
+    default)."""
+    return getattr(_caller, "names", KLEST_NAMES)
 
 
 def set_default_validate(value: bool) -> None:
@@ -116,15 +116,22 @@ def resolve_validate(validate: bool | None) -> bool:
     return validate
 
 
-_PACKAGE = os.path.dirname(os.path.abspath(__file__)) + os.sep
+def _inside(frame: FrameType) -> bool:
+    """Whether ``frame`` runs klest's code, or torch's (``nn.Module.__call__`` around a klest
+    module's ``forward``), by its module's name (not its file: a .pyc-only or frozen install
+    keeps the path the code was compiled at)."""
+    module = frame.f_globals.get("__name__", "")
+    return module.split(".", 1)[0] in ("klest", "torch")
 
 
 def warn_at_caller(message: str, category: type[Warning]) -> None:
-    """``warnings.warn`` attributed to the first frame outside klest: the line of the user's
-    code (or of the trainer's) that called into klest, however deep the call went inside it
-    (a drop-in calling :func:`klest.kl_penalty`, a trainer hook...)."""
+    """``warnings.warn`` attributed to the first frame outside klest (and outside torch's
+    module call): the line of the user's code (or of the trainer's) that called into klest,
+    however deep the call went inside it (a drop-in calling :func:`klest.kl_penalty`, a
+    ``klest.nn`` module, a trainer hook...). Filter klest's warnings by category
+    (:class:`klest.KLGradientWarning`), not by module."""
     frame, stacklevel = sys._getframe(1), 2
-    while frame.f_back is not None and frame.f_code.co_filename.startswith(_PACKAGE):
+    while frame.f_back is not None and _inside(frame):
         frame, stacklevel = frame.f_back, stacklevel + 1
     warnings.warn(message, category, stacklevel=stacklevel)
 

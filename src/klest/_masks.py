@@ -5,9 +5,9 @@ exact for every value, NaN and infinities included (a dropped position becomes +
 integer AND is vectorised where PyTorch's CPU ``where`` is not (2-3x faster on the benchmark's
 ``[64, 4096]`` float32 batch). Under autograd the gradient is masked the same way, as
 ``where``'s would be. Under forward-mode AD (``torch.autograd.forward_ad``, ``torch.func.jvp``)
-and functorch transforms (``torch.func.grad``, ``vmap``) the mask is ``where`` itself: an integer
-AND carries no tangent (the derivative would silently be 0) and the autograd function has no
-functorch rule.
+and functorch transforms (``torch.func.grad``, ``vmap``), and while ``torch.compile`` traces,
+the mask is ``where`` itself: an integer AND carries no tangent (the derivative would silently
+be 0), the autograd function has no functorch rule, and the compiler fuses ``where``.
 """
 
 from __future__ import annotations

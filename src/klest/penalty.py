@@ -731,9 +731,10 @@ def kl_penalty(
         return loss
     singletons = 0
     if keys is not None:  # samples with tokens whose group has no other sample with tokens
-        kept = keys if lr.valid is None else keys[lr.valid.any(-1)]
-        per_group = torch.zeros_like(keys).index_add_(0, kept, torch.ones_like(kept))
-        singletons = int((per_group == 1).sum())  # keys are group indices below the row count
+        has_tokens = lr.valid.any(-1) if lr.valid is not None else lr.delta.shape[-1] > 0
+        counted = torch.zeros_like(keys).add_(has_tokens)  # 0/1 per row, no boolean indexing
+        per_group = torch.zeros_like(keys).index_add_(0, keys, counted)  # keys < row count
+        singletons = int((per_group == 1).sum())
     details = PenaltyDetails(
         per_sequence=value.reduce("per-sequence").detach(),
         diagnostics=value.diagnostics(reduction),

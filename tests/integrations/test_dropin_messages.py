@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import warnings
 from collections.abc import Callable
 
@@ -119,3 +120,54 @@ def test_klest_names_its_own_arguments_again_after_a_drop_in_failed():
     with pytest.raises(ValueError, match="logp_ref has values above 0") as info:
         klest.kl_penalty(lp, -lr)
     assert "density=True" in str(info.value)  # kl_penalty has that option
+
+
+def test_names_are_per_thread_and_restored_whatever_the_interleaving():
+    """Thread A enters a drop-in's names, B enters, A leaves, B leaves: neither thread's names
+    outlive its block (a module-wide value restored by B would keep A's names for good)."""
+    a_in, b_in, a_out = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def run(name, names, entered, wait_for, then_leave=None):
+        with klest._checks.named_by_caller(names):
+            entered.set()
+            wait_for.wait(5)
+            seen[name] = klest._checks.caller_names()
+        if then_leave is not None:
+            then_leave.set()
+        seen[name + " after"] = klest._checks.caller_names()
+
+    verl_names, openrlhf_names = verl._NAMES, openrlhf._NAMES
+    a = threading.Thread(target=run, args=("a", verl_names, a_in, b_in, a_out))
+    b = threading.Thread(target=run, args=("b", openrlhf_names, b_in, a_out))
+    a.start()
+    a_in.wait(5)
+    b.start()
+    a.join(10)
+    b.join(10)
+    assert seen["a"] == verl_names and seen["b"] == openrlhf_names
+    assert seen["a after"] == seen["b after"] == klest._checks.KLEST_NAMES
+    assert klest._checks.caller_names() == klest._checks.KLEST_NAMES
+    with pytest.raises(ValueError, match="logp_ref has values above 0"):
+        klest.kl_penalty(*_batch("cumulative")[:1], -_batch("cumulative")[1])
+
+
+@pytest.mark.parametrize("peer", sorted(DROP_INS))
+def test_drop_ins_compile_in_one_graph_and_name_their_arguments(peer):
+    d = DROP_INS[peer]
+    lp, lr, _ = _batch("cumulative")
+
+    def loss(logp, logp_ref, validate):
+        return d(logp, logp_ref, grad="cumulative", validate=validate)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(loss, fullgraph=True)
+    lp_c, lp_e = lp.detach().requires_grad_(), lp.detach().requires_grad_()
+    out, eager = compiled(lp_c, lr, False), loss(lp_e, lr, False)
+    torch.testing.assert_close(out, eager, rtol=1e-12, atol=1e-12)
+    out.sum().backward()
+    eager.sum().backward()
+    torch.testing.assert_close(lp_c.grad, lp_e.grad, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=f"{d.logp_ref} has values above 0"):
+        torch.compile(loss)(lp.detach(), -lr.detach(), None)
+    assert klest._checks.caller_names() == klest._checks.KLEST_NAMES
