@@ -31,10 +31,11 @@ class _Series:
 
     ``degree`` (per dtype) makes the truncation, relative to the leading term x^2 / 2, smaller
     than the dtype's epsilon at the radius; the radius makes the direct formula's cancellation
-    small above it. e^x - 1 - x loses about 2 eps / |x| relative (its terms are of size |x|):
-    radius 0.2, degrees 12 (float64: 2 |x|^10 / 13! < 7e-18) and 7 (float32: 3e-9). x e^x - e^x + 1
-    loses about 2 eps / x^2 (its terms are of size 1): radius 1/2, degrees 17 (float64) and 9
-    (float32: 18 |x|^8 / 10! < 2e-8).
+    small above it. e^x - 1 - x loses about 2 eps / |x| relative (its terms are of size |x|; 5
+    ulps at the radius 0.2): degrees 12 (float64: 2 |x|^10 / 13! < 7e-18) and 6 (float32:
+    2 |x|^5 / 7! < 1.3e-7, one ulp at the radius and less inside, where the direct formula's
+    error is the larger). x e^x - e^x + 1 loses about 2 eps / x^2 (its terms are of size 1):
+    radius 1/2, degrees 17 (float64) and 9 (float32: 18 |x|^8 / 10! < 2e-8).
     """
 
     coeffs: tuple[float, ...]
@@ -43,12 +44,14 @@ class _Series:
     default_degree: int
 
 
-_EXP_TAIL_SERIES = _Series(_EXP_TAIL, 0.2, {torch.float64: 12}, 7)
-_EXP_NEG_TAIL_SERIES = _Series(_EXP_NEG_TAIL, 0.2, {torch.float64: 12}, 7)
+_EXP_TAIL_SERIES = _Series(_EXP_TAIL, 0.2, {torch.float64: 12}, 6)
+_EXP_NEG_TAIL_SERIES = _Series(_EXP_NEG_TAIL, 0.2, {torch.float64: 12}, 6)
 _XEXP_TAIL_SERIES = _Series(_XEXP_TAIL, 0.5, {torch.float64: 17}, 9)
 
 
-def _series_or_direct(x: Tensor, series: _Series, direct) -> Tensor:
+def _series_or_direct(x: Tensor, series: _Series, direct, direct_far) -> Tensor:
+    """``direct(x)`` with a graph; without one ``direct_far(x, near)``: the direct formula at
+    ``x - near``, the far inputs and 0 elsewhere, where it must be exactly 0."""
     coeffs = series.coeffs[: series.degree.get(x.dtype, series.default_degree) - 1]
     if records_derivatives(x):
         # With a graph, each branch sees only inputs valid for it (the unselected branch's
@@ -57,16 +60,15 @@ def _series_or_direct(x: Tensor, series: _Series, direct) -> Tensor:
         xs = torch.where(small, x, torch.zeros_like(x))
         xd = torch.where(small, torch.ones_like(x), x)
         return torch.where(small, _inner(coeffs, xs, in_place=False) * xs * xs, direct(xd))
-    # Without one, the branches are blended by a 0/1 float weight (float arithmetic runs several
-    # times faster than bool masks on the CPU): direct(x) * far + polynomial(x * near), where
-    # direct(x) is finite wherever near (or x's own inf / NaN) and the polynomial is exactly 0
-    # where far (its input is 0 there, with x clamped first so no inf meets the 0): exactly one
-    # branch or the other.
+    # Without one, the branches are added (float arithmetic runs several times faster than bool
+    # masks on the CPU): the direct formula at the far inputs (0 elsewhere, where it is exactly
+    # 0) plus the polynomial of the near ones (0 elsewhere; x is clamped first so that no inf
+    # meets the 0): exactly one branch or the other.
     far = x.abs().ge_(series.radius)
     clamped = x.clamp(-series.radius, series.radius)
     near = clamped.addcmul_(clamped, far, value=-1.0)  # x where near, exactly 0 where far
-    out = direct(x).mul_(far)
     del far  # fewer live temporaries: less memory to touch
+    out = direct_far(x, near)
     return out.addcmul_(_inner(coeffs, near, in_place=True).mul_(near), near)
 
 
@@ -92,13 +94,15 @@ def _constant(c: float, dtype: torch.dtype, device: torch.device) -> Tensor:
 
 def exp_tail(x: Tensor) -> Tensor:
     """``e^x - 1 - x``, accurate to a few ulp for every x (>= 0; +inf only past overflow)."""
-    return _series_or_direct(x, _EXP_TAIL_SERIES, _expm1_minus_identity)
+    return _series_or_direct(x, _EXP_TAIL_SERIES, _expm1_minus_identity, _expm1_minus_identity_far)
 
 
 def _expm1_minus_identity(z: Tensor) -> Tensor:
-    """``expm1(z) - z``, in place on ``expm1``'s result when no graph is recorded."""
-    if records_derivatives(z):
-        return torch.expm1(z) - z
+    return torch.expm1(z) - z
+
+
+def _expm1_minus_identity_far(x: Tensor, near: Tensor) -> Tensor:
+    z = x - near
     return torch.expm1(z).sub_(z)
 
 
@@ -106,14 +110,19 @@ def exp_neg_tail(x: Tensor) -> Tensor:
     """``e^-x - 1 + x`` (k3 of KL(pi||ref) at the log-ratio x), accurate to a few ulp for every
     x: :func:`exp_tail` of ``-x`` without the pass that negates x (the same values, bit for
     bit: the series' terms only change sign)."""
-    return _series_or_direct(x, _EXP_NEG_TAIL_SERIES, _expm1_neg_plus_identity)
+    return _series_or_direct(
+        x, _EXP_NEG_TAIL_SERIES, _expm1_neg_plus_identity, _expm1_neg_plus_identity_far
+    )
 
 
 def _expm1_neg_plus_identity(z: Tensor) -> Tensor:
-    """``expm1(-z) + z``, in place on the negation when no graph is recorded."""
-    if records_derivatives(z):
-        return torch.expm1(-z) + z
-    return torch.neg(z).expm1_().add_(z)
+    return torch.expm1(-z) + z
+
+
+def _expm1_neg_plus_identity_far(x: Tensor, near: Tensor) -> Tensor:
+    """``expm1(w) - w`` at ``w = near - x``: the negated far inputs in one pass."""
+    w = near - x
+    return torch.expm1(w).sub_(w)
 
 
 def xexp_tail(x: Tensor) -> Tensor:
@@ -121,7 +130,17 @@ def xexp_tail(x: Tensor) -> Tensor:
     # Clamping -inf to the most negative finite value gives e^x = 0 exactly and a zero gradient.
     x = x.clamp(min=torch.finfo(x.dtype).min)
     # e^x (x - 1) + 1 rather than x e^x - expm1(x): the latter is inf - inf past overflow.
-    return _series_or_direct(x, _XEXP_TAIL_SERIES, lambda z: torch.exp(z) * (z - 1.0) + 1.0)
+    return _series_or_direct(
+        x,
+        _XEXP_TAIL_SERIES,
+        _exp_times_x_minus_one,
+        lambda x, near: _exp_times_x_minus_one(x - near),
+    )
+
+
+def _exp_times_x_minus_one(z: Tensor) -> Tensor:
+    """``e^z (z - 1) + 1`` (exactly 0 at z = 0)."""
+    return torch.exp(z) * (z - 1.0) + 1.0
 
 
 def times_exp(c: Tensor, x: Tensor) -> Tensor:
