@@ -232,3 +232,34 @@ def test_nan_or_inf_deep_in_a_long_logp_ref_is_rejected(bad, n):
         what = "NaN" if bad != bad else r"\+inf"
         with pytest.raises(ValueError, match=rf"logp_ref contains {what} at .*index \({where},\)"):
             klest.k1(logp, logp_ref)
+
+
+def test_value_checks_judge_flags_and_host_reads_in_registration_order():
+    """Flags (any True fails) and 0-dim reads judged on the host share the one read; the first
+    failed check in registration order raises; probes come back in order; NaN fails a read's
+    comparison."""
+    from klest._checks import ValueChecks
+
+    def run(*failing: bool) -> list[bool]:
+        checks = ValueChecks(True)
+        for i, bad in enumerate(failing):
+            if i % 2:
+                checks.add(torch.tensor([False, bad]), lambda _, i=i: f"check {i}")
+            else:
+                value = torch.tensor(1.0 if bad else -1.0)
+                checks.add_read((value,), lambda v: v > 0, lambda i=i: f"check {i}")
+            checks.probe(torch.tensor(i % 3 == 0))
+        return checks.run()
+
+    assert run(False, False, False, False) == [True, False, False, True]
+    for first in range(4):
+        failing = [i >= first for i in range(4)]
+        with pytest.raises(ValueError, match=f"check {first}"):
+            run(*failing)
+    checks = ValueChecks(True)
+    checks.add_read((torch.tensor(float("nan")), torch.tensor(0.0)), lambda a, b: not a <= b, str)
+    with pytest.raises(ValueError):
+        checks.run()
+    disabled = ValueChecks(False)
+    disabled.add_read((torch.tensor(1.0),), lambda v: True, lambda: "never")
+    assert disabled.run() == []

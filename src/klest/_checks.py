@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import math
 import sys
 import threading
@@ -145,57 +146,88 @@ class ValueChecks:
 
     ``add(flags, message)`` registers a boolean tensor that must be all False and a function
     that builds the error message from it; :meth:`run` reads every ``flags.any()`` at once and
-    raises for the first failed check, in the order they were added. ``warn_once(key, flags,
-    message)`` registers a warning read in the same synchronisation, given (when no check
-    failed) once per process per ``key``; once given, it is not registered again.
+    raises for the first failed check, in the order they were added. ``add_read(values,
+    failed, message)`` registers 0-dim tensors (reductions: a largest value, say) read back in
+    the same synchronisation and judged on the host by ``failed(*floats)``, so that comparing
+    them costs no device operation. ``warn_once(key, flags, message)`` registers a warning read
+    in the same synchronisation, given (when no check failed) once per process per ``key``;
+    once given, it is not registered again.
     ``probe(flag)`` registers a boolean scalar that is no check: its value comes back from
     :meth:`run` (in the order of the probes), read in the same synchronisation, for a caller that
-    picks a faster path with it. When disabled, ``add``, ``warn_once`` and ``probe`` record
-    nothing and ``run`` does nothing (and returns no probe).
+    picks a faster path with it. When disabled, ``add``, ``add_read``, ``warn_once`` and
+    ``probe`` record nothing and ``run`` does nothing (and returns no probe).
     """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled
-        self._items: list[tuple[Tensor, Callable[[Tensor], str] | None, str | None]] = []
+        self._items: list[_Item] = []
 
     def add(self, flags: Tensor, message: Callable[[Tensor], str]) -> None:
         if self.enabled:
-            self._items.append((flags.detach(), message, None))
+            self._items.append(_Item(flags.detach(), (), message))
+
+    def add_read(
+        self, values: tuple[Tensor, ...], failed: Callable[..., bool], message: Callable[[], str]
+    ) -> None:
+        """Queue 0-dim ``values``; the check fails when ``failed(*floats)`` is True on the
+        host (NaN reads as ``nan``, which fails every comparison)."""
+        if self.enabled:
+            reads = tuple(v.detach() for v in values)
+            self._items.append(_Item(None, reads, lambda _: message(), failed=failed))
 
     def warn_once(self, key: str, flags: Tensor, message: Callable[[Tensor], str]) -> None:
         if self.enabled and key not in _WARNED_ONCE:
-            self._items.append((flags.detach(), message, key))
+            self._items.append(_Item(flags.detach(), (), message, key))
 
     def probe(self, flag: Tensor) -> None:
         """Read the boolean scalar ``flag`` with the checks: its value is in :meth:`run`'s list."""
         if self.enabled:
-            self._items.append((flag.detach(), None, None))
+            self._items.append(_Item(flag.detach(), (), None))
 
     def run(self) -> list[bool]:
         """Read every check and probe at once; raise for the first failed check, give the
         warnings, and return the probes' values (in the order they were registered)."""
         if not self._items:
             return []
-        device = self._items[0][0].device
-        with torch.no_grad():
-            # Scalars (most checks reduce on the device first) need no any().
-            flags = [
-                f if f.dim() == 0 and f.dtype == torch.bool else f.any() for f, _, _ in self._items
-            ]
-            anys = torch.stack([f.to(device) for f in flags]).tolist()
         items, self._items = self._items, []
+        device = (items[0].flags if items[0].flags is not None else items[0].reads[0]).device
+        with torch.no_grad():
+            # Scalars (most checks reduce on the device first) need no any(); stack promotes
+            # the flags and the read values to one dtype (bool widens exactly).
+            per_item = [item.scalars() for item in items]
+            read = iter(torch.stack([s.to(device) for ss in per_item for s in ss]).tolist())
         warned, probes = [], []
-        for failed, (flags, message, key) in zip(anys, items, strict=True):
-            if message is None:
-                probes.append(bool(failed))
-            elif failed and key is None:
-                raise ValueError(message(flags))
-            elif failed and key not in _WARNED_ONCE:
-                warned.append((key, message(flags)))
+        for item, ss in zip(items, per_item, strict=True):
+            values = [next(read) for _ in ss]
+            failed = item.failed(*values) if item.failed is not None else bool(values[0])
+            if item.message is None:
+                probes.append(failed)
+            elif failed and item.key is None:
+                raise ValueError(item.message(item.flags))
+            elif failed and item.key not in _WARNED_ONCE:
+                warned.append((item.key, item.message(item.flags)))
         for key, text in warned:
             _WARNED_ONCE.add(key)
             warn_at_caller(text, UserWarning)
         return probes
+
+
+@dataclasses.dataclass
+class _Item:
+    """One queued check, warning or probe: boolean ``flags`` (one must be True to fail), or
+    0-dim ``reads`` judged by ``failed``; ``message`` None for a probe, ``key`` for a warning."""
+
+    flags: Tensor | None
+    reads: tuple[Tensor, ...]
+    message: Callable[[Any], str] | None
+    key: str | None = None
+    failed: Callable[..., bool] | None = None
+
+    def scalars(self) -> tuple[Tensor, ...]:
+        if self.flags is None:
+            return self.reads
+        f = self.flags
+        return (f if f.dim() == 0 and f.dtype == torch.bool else f.any(),)
 
 
 def first_bad(flags: Tensor) -> str:
@@ -209,12 +241,19 @@ def first_bad(flags: Tensor) -> str:
 
 def check_choice(name: str, value: object, choices: Any) -> str:
     """``value`` if it is one of ``choices`` (a ``Literal`` alias or a tuple of names)."""
-    allowed = get_args(choices) or tuple(choices)
+    allowed = _names(choices)
     if not isinstance(value, str) or value not in allowed:
         raise ValueError(
             f"unknown {name} {value!r}; expected one of {', '.join(map(repr, allowed))}"
         )
     return value
+
+
+@functools.lru_cache(maxsize=64)
+def _names(choices: Any) -> tuple[str, ...]:
+    """The names of a ``Literal`` alias or a tuple of names (unpacked once: a few microseconds
+    of every call otherwise)."""
+    return get_args(choices) or tuple(choices)
 
 
 def check_direction(direction: object) -> Direction:
@@ -406,15 +445,18 @@ def check_log_probs(
     rounding_of = x.dtype if rounding_of is None else rounding_of
     tol = math.inf if density else _POSITIVE_LOGP_TOL.get(rounding_of, _POSITIVE_LOGP_TOL_DEFAULT)
     # One reduction (NaN propagates to both ends): the largest value, and the smallest only when
-    # -inf is an error (a max alone reads several times faster than aminmax on the CPU).
-    lo, hi = torch.aminmax(x) if not allow_neg_inf else (None, x.amax())
-    # NaN fails every comparison; +inf fails both (with tol = inf only the strict one).
-    ok = hi < math.inf if tol == math.inf else hi <= tol
-    if lo is not None:
-        ok = ok & (lo > -math.inf)
-    bad = ~ok
+    # -inf is an error (a max alone reads several times faster than aminmax on the CPU). They
+    # are compared on the host, after the one read: NaN fails every comparison; +inf fails both
+    # (with tol = inf only the strict one).
+    if allow_neg_inf:
+        reads: tuple[Tensor, ...] = (x.amax(),)
+    else:
+        reads = torch.aminmax(x)[::-1]  # (largest, smallest)
 
-    def message(_: Tensor) -> str:
+    def failed(hi: float, lo: float = 0.0) -> bool:
+        return not ((hi < math.inf if tol == math.inf else hi <= tol) and lo > -math.inf)
+
+    def message() -> str:
         k = torch.ones_like(x, dtype=torch.bool)
         for flags, what in ((torch.isnan(x) & k, "NaN"), ((x == math.inf) & k, "+inf")):
             if bool(flags.any()):
@@ -431,13 +473,17 @@ def check_log_probs(
             f"{name} is -inf at {first_bad((x == -math.inf) & k)}: {role}; mask such positions out"
         )
 
-    checks.add(bad, message)
+    checks.add_read(reads, failed, message)
 
 
 def check_finite_surrogate(surrogate: Tensor, checks: ValueChecks, explain: Callable[[], str]):
     """Queue: the gradient surrogate is finite (else its gradient, and the loss, would be NaN)."""
-    if checks.enabled:
-        s = surrogate.detach()
+    if not checks.enabled:
+        return
+    s = surrogate.detach()
+    if s.dim() == 0:  # a reduced surrogate is read as it is and judged on the host
+        checks.add_read((s,), lambda v: not math.isfinite(v), explain)
+    else:
         checks.add((s - s).ne_(0.0), lambda _: explain())  # inf - inf and NaN - NaN are NaN
 
 
