@@ -29,8 +29,8 @@ _XEXP_TAIL = tuple((k - 1) / math.factorial(k) for k in range(2, 18))
 class _Series:
     """A Taylor polynomial below ``radius``, the direct formula above.
 
-    ``degree`` (per dtype) makes the truncation, relative to the leading term x^2 / 2, smaller
-    than the dtype's epsilon at the radius; the radius makes the direct formula's cancellation
+    ``degree`` (per dtype) makes the truncation, relative to the leading term x^2 / 2, about the
+    dtype's epsilon or less at the radius; the radius makes the direct formula's cancellation
     small above it. e^x - 1 - x loses about 2 eps / |x| relative (its terms are of size |x|; 5
     ulps at the radius 0.2): degrees 12 (float64: 2 |x|^10 / 13! < 7e-18) and 6 (float32:
     2 |x|^5 / 7! < 1.3e-7, one ulp at the radius and less inside, where the direct formula's
