@@ -50,8 +50,9 @@ _XEXP_TAIL_SERIES = _Series(_XEXP_TAIL, 0.5, {torch.float64: 17}, 9)
 
 
 def _series_or_direct(x: Tensor, series: _Series, direct, direct_far) -> Tensor:
-    """``direct(x)`` with a graph; without one ``direct_far(x, near)``: the direct formula at
-    ``x - near``, the far inputs and 0 elsewhere, where it must be exactly 0."""
+    """``direct(x)`` with a graph; without one ``direct_far(x, near, spare)``: the direct
+    formula at ``x - near``, the far inputs and 0 elsewhere, where it must be exactly 0
+    (``spare``: a tensor like ``x`` whose values are no longer needed, for a temporary)."""
     coeffs = series.coeffs[: series.degree.get(x.dtype, series.default_degree) - 1]
     if records_derivatives(x):
         # With a graph, each branch sees only inputs valid for it (the unselected branch's
@@ -67,8 +68,8 @@ def _series_or_direct(x: Tensor, series: _Series, direct, direct_far) -> Tensor:
     far = x.abs().ge_(series.radius)
     clamped = x.clamp(-series.radius, series.radius)
     near = clamped.addcmul_(clamped, far, value=-1.0)  # x where near, exactly 0 where far
+    out = direct_far(x, near, far)  # far's memory is free again: a fresh tensor costs more
     del far  # fewer live temporaries: less memory to touch
-    out = direct_far(x, near)
     return out.addcmul_(_inner(coeffs, near, in_place=True).mul_(near), near)
 
 
@@ -101,8 +102,8 @@ def _expm1_minus_identity(z: Tensor) -> Tensor:
     return torch.expm1(z) - z
 
 
-def _expm1_minus_identity_far(x: Tensor, near: Tensor) -> Tensor:
-    z = x - near
+def _expm1_minus_identity_far(x: Tensor, near: Tensor, spare: Tensor) -> Tensor:
+    z = torch.sub(x, near, out=spare)
     return torch.expm1(z).sub_(z)
 
 
@@ -119,9 +120,9 @@ def _expm1_neg_plus_identity(z: Tensor) -> Tensor:
     return torch.expm1(-z) + z
 
 
-def _expm1_neg_plus_identity_far(x: Tensor, near: Tensor) -> Tensor:
+def _expm1_neg_plus_identity_far(x: Tensor, near: Tensor, spare: Tensor) -> Tensor:
     """``expm1(w) - w`` at ``w = near - x``: the negated far inputs in one pass."""
-    w = near - x
+    w = torch.sub(near, x, out=spare)
     return torch.expm1(w).sub_(w)
 
 
@@ -134,7 +135,7 @@ def xexp_tail(x: Tensor) -> Tensor:
         x,
         _XEXP_TAIL_SERIES,
         _exp_times_x_minus_one,
-        lambda x, near: _exp_times_x_minus_one(x - near),
+        lambda x, near, spare: _exp_times_x_minus_one(torch.sub(x, near, out=spare)),
     )
 
 
