@@ -221,7 +221,8 @@ class LooScaleEMA(Float64EMAState):
     (m others), the variance-optimal scale when the score's norm is uncorrelated with the target.
 
     Buffers as :class:`klest.BaselineEMA`'s (float64, saved in ``state_dict``, moved by
-    ``.to()``); in ``eval()`` mode the scales are used, not updated. Pass it as
+    ``.to()``; each process updates its own from the batches it sees); in ``eval()`` mode the
+    scales are used, not updated. Pass it as
     ``kl_penalty(..., baseline=LooScaleEMA())`` for ``score``, ``cumulative`` and ``rb``
     (KL(pi||ref)), with ``group`` ids as for ``"loo"``.
 

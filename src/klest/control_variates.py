@@ -150,7 +150,8 @@ class AlphaEMA(nn.Module):
     The state lives in float64 buffers (``moments``, ``weight``) on the tensors' device, so it
     moves with ``.to()`` (staying float64 when a model is cast to bf16), is saved in
     ``state_dict`` (a resumed run keeps it) and costs no host copy. In ``eval()`` mode it is used
-    but not updated.
+    but not updated. Each process updates its own state from the batches it sees (no collective
+    call): under data parallelism the states differ between processes.
 
     Args:
       decay: :math:`\gamma`, the weight of the past, in [0, 1).

@@ -153,7 +153,8 @@ class BaselineEMA(Float64EMAState):
     move with ``.to()`` (staying float64 when a model is cast to bf16), are saved in
     ``state_dict`` (a resumed run keeps them) and cost no host copy. In ``eval()`` mode the
     averages are used but not updated. One average per position, over every group (``group``
-    ids do not apply to it).
+    ids do not apply to it). Each process updates its own averages from the batches it sees
+    (no collective call): under data parallelism they differ between processes, each unbiased.
 
     Args:
       decay: :math:`\gamma`, the weight of the past, in [0, 1).
