@@ -185,8 +185,8 @@ def test_expectation_over_the_sampled_token_is_the_full_kl(estimator, direction,
 # that count is small (a token expected a few times, or drawn not at all) the draws' standard
 # deviation misses the rare large draws and the normal comparison fails far more often than it
 # states: measured, 27 of 120 runs (4 cases x 3 teachers x 10 draw seeds) fail with every
-# coordinate compared, 0 of 120 with the coordinates whose token is expected at least MIN_COUNT
-# times (there the smallest family p-value of the 120 was 0.011, as for a calibrated test).
+# coordinate compared, 0 of 180 (3 teachers x 4 cases x 15 draw seeds) with the coordinates whose
+# token is expected at least MIN_COUNT times (the statistic below: median 0.57, largest 0.88).
 # The rarely drawn coordinates are tested exactly by the enumeration above.
 MIN_COUNT = 50
 
@@ -225,8 +225,11 @@ def _monte_carlo_statistic(estimator: str, direction: str, draw_seed: int) -> fl
     value_stat = abs(float(est.detach().mean() - exact.detach())) / float(se)
     dev = (per_row_grad.mean(0) - exact_grad).abs()[compared]
     se_g = (per_row_grad.std(0) / math.sqrt(n))[compared]
-    # Coordinates that never vary (the set's, in some cases) must match to rounding.
-    grad_stat = torch.where(se_g > 0, dev / se_g.clamp(min=1e-300), (dev > 1e-12) * math.inf)
+    # Rounding (1e-12) is allowed on top, for coordinates that never vary (the set's, in some
+    # cases, whose spread is rounding noise itself); one that does not vary and is off by more
+    # counts as infinitely far.
+    excess = (dev - 1e-12).clamp(min=0)
+    grad_stat = torch.where(excess > 0, excess / se_g, 0.0)
     return max(value_stat, float(grad_stat.max())) / threshold
 
 
