@@ -15,7 +15,7 @@ import klest
 from klest.logits.topk import kl_from_topk
 from klest.testbeds import make_generator
 from tests._reference import assert_verbose_close
-from tests._stats import RATE, z_for
+from tests._stats import RATE, assert_failures_consistent, z_for
 
 ESTIMATORS = ("unbiased", "unbiased-cv", "tail-bucket", "truncated", "truncated-raw")
 SAMPLED = ("unbiased", "unbiased-cv")
@@ -181,12 +181,21 @@ def test_expectation_over_the_sampled_token_is_the_full_kl(estimator, direction,
 # -- unbiasedness: Monte Carlo, realistic shape (peaky teacher, larger V) ---------------------
 
 
-@pytest.mark.parametrize("direction", DIRECTIONS)
-@pytest.mark.parametrize("estimator", SAMPLED)
-def test_monte_carlo_value_and_gradient_are_unbiased(estimator, direction):
-    """One position replicated n times, tokens sampled from pi: the mean value and the mean
-    gradient (each of V coordinates) within z_for(RATE, V + 1) standard errors of the exact
-    ones (Bonferroni over the V + 1 comparisons; family false-fail rate RATE = 6.3e-5)."""
+# A gradient coordinate's mean carries the count of its own token, about Poisson(n pi_j); where
+# that count is small (a token expected a few times, or drawn not at all) the draws' standard
+# deviation misses the rare large draws and the normal comparison fails far more often than it
+# states: measured, 27 of 120 runs (4 cases x 3 teachers x 10 draw seeds) fail with every
+# coordinate compared, 0 of 180 (3 teachers x 4 cases x 15 draw seeds) with the coordinates whose
+# token is expected at least MIN_COUNT times (the statistic below: median 0.57, largest 0.88).
+# The rarely drawn coordinates are tested exactly by the enumeration above.
+MIN_COUNT = 50
+
+
+def _monte_carlo_statistic(estimator: str, direction: str, draw_seed: int) -> float:
+    """One position (teacher from seed 11) replicated n times, tokens sampled from pi (from
+    ``draw_seed``): the largest of |mean - exact| / (z se) over the value and the gradient's
+    coordinates whose token pi draws at least MIN_COUNT times in expectation, z the Bonferroni
+    threshold over those comparisons (two-sided at RATE). At most 1 passes."""
     v, k, n = 300, 10, 20_000
     g = make_generator(11)
     z0 = torch.randn(v, generator=g, dtype=torch.float64)
@@ -194,7 +203,8 @@ def test_monte_carlo_value_and_gradient_are_unbiased(estimator, direction):
     teacher = (zipf[torch.randperm(v, generator=g)] + 0.3 * z0).log_softmax(-1)
     top, idx = teacher.topk(k)
     z = z0.expand(n, v).clone().requires_grad_(True)
-    y = torch.multinomial(torch.softmax(z0, -1), n, replacement=True, generator=g)
+    pi = torch.softmax(z0, -1)
+    y = torch.multinomial(pi, n, replacement=True, generator=make_generator(draw_seed))
     est = kl_from_topk(
         z,
         idx.expand(n, k),
@@ -209,13 +219,39 @@ def test_monte_carlo_value_and_gradient_are_unbiased(estimator, direction):
     zz = z0.clone().requires_grad_(True)
     exact = full_kl(torch.log_softmax(zz, -1), teacher, direction)
     (exact_grad,) = torch.autograd.grad(exact, zz)
-    threshold = z_for(RATE, v + 1)
+    compared = n * pi >= MIN_COUNT
+    threshold = z_for(RATE, int(compared.sum()) + 1)
     se = est.detach().std() / math.sqrt(n)
-    assert abs(float(est.detach().mean() - exact.detach())) <= threshold * float(se)
-    se_g = per_row_grad.std(0) / math.sqrt(n)
-    dev = (per_row_grad.mean(0) - exact_grad).abs()
-    # Coordinates that never vary (tokens outside S never sampled would be exact) need rounding.
-    assert (dev <= threshold * se_g + 1e-12).all(), float((dev / se_g.clamp(min=1e-300)).max())
+    value_stat = abs(float(est.detach().mean() - exact.detach())) / float(se)
+    dev = (per_row_grad.mean(0) - exact_grad).abs()[compared]
+    se_g = (per_row_grad.std(0) / math.sqrt(n))[compared]
+    # Rounding (1e-12) is allowed on top, for coordinates that never vary (the set's, in some
+    # cases, whose spread is rounding noise itself); one that does not vary and is off by more
+    # counts as infinitely far.
+    excess = (dev - 1e-12).clamp(min=0)
+    grad_stat = torch.where(excess > 0, excess / se_g, 0.0)
+    return max(value_stat, float(grad_stat.max())) / threshold
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+@pytest.mark.parametrize("estimator", SAMPLED)
+def test_monte_carlo_value_and_gradient_are_unbiased(estimator, direction):
+    """The mean value and the mean gradient (each coordinate drawn often enough for a normal
+    comparison, about 130 of V = 300) within the Bonferroni threshold of the exact ones
+    (family false-fail rate RATE = 6.3e-5)."""
+    assert _monte_carlo_statistic(estimator, direction, draw_seed=12) <= 1.0
+
+
+@pytest.mark.slow
+def test_monte_carlo_unbiasedness_holds_over_draw_seeds():
+    """The statistic above at 2 more draw seeds per case: no failure expected (8 x 6.3e-5)."""
+    stats = [
+        _monte_carlo_statistic(estimator, direction, draw_seed)
+        for estimator in SAMPLED
+        for direction in DIRECTIONS
+        for draw_seed in range(100, 102)
+    ]
+    assert_failures_consistent(stats, 1.0, RATE, "top-k Monte Carlo mean")
 
 
 def test_unbiased_cv_has_lower_variance_on_a_peaky_teacher():
