@@ -80,14 +80,16 @@ def test_rb_has_the_lowest_mse_of_the_unbiased_estimators(result):
     quick run has the power: KL(pi||ref) at both KLs and KL(ref||pi) at the low one. For
     KL(ref||pi) at the high KL the score-function estimators carry the sequence ratio
     R = ref(y)/pi(y), whose heavy tail makes their squared errors too spread out for 150 batches
-    (paired z about 3): there only the sign of the difference is checked."""
-    threshold = z_for(RATE, 3, two_sided=False)
+    (paired z about 3, so asserting even its sign would fail at about 1e-3 of seeds, above RATE):
+    there the check is that rb is not significantly *worse*, z > -threshold. Four one-sided
+    comparisons, Bonferroni at RATE."""
+    threshold = z_for(RATE, 4, two_sided=False)
     for regime in REGIMES:
         for direction in DIRECTIONS:
             c = result["audits"][regime][direction]["rb_vs_best_other"]
             assert _grad(c["lower"]) == "rb" and _grad(c["higher"]) in ("score", "cumulative")
             if (regime, direction) == ("high KL", "ref||pi"):
-                assert c["diff"] > 0, c
+                assert c["z"] > -threshold, c
             else:
                 assert c["z"] > threshold, (regime, direction, c)
 
