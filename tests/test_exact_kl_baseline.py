@@ -169,11 +169,16 @@ def test_gradient_is_unbiased_for_kl_pi_ref(name, spec):
     assert audit.z_zero > Z_ONE_SIDED, audit
 
 
-@pytest.mark.parametrize("name", ["tabular", "off-policy"])
-def test_token_with_exact_kl_keeps_the_token_level_mean(name):
+@pytest.mark.parametrize(("name", "n_trials"), [("tabular", 600), ("off-policy", 2400)])
+def test_token_with_exact_kl_keeps_the_token_level_mean(name, n_trials):
     """vOPD's estimator (token + exact-KL baseline) has the mean of ``grad="token"``: the
     per-position KLs' gradient with the prefixes held fixed, which is not the sequence KL's
-    gradient (rejected: measured z 17 and 26 against the threshold 4)."""
+    gradient (rejected: measured z 17 and 43 against the threshold 4).
+
+    Off-policy, the importance weights make the draws skewed, and at 600 trials the mean's
+    z statistic had a heavier right tail than the normal (over 400 seeds, 3 above 3 where 0.5
+    are expected; one seed of 41 above 4). The skew of a mean shrinks as 1/sqrt(n): at 2400
+    trials 150 seeds gave a largest z of 2.79 and 3 above 2.326 (1.5 expected)."""
     testbed = make(name)
     target = testbed.target if name == "off-policy" else testbed
     sampler = testbed.behavior if name == "off-policy" else None
@@ -181,7 +186,7 @@ def test_token_with_exact_kl_keeps_the_token_level_mean(name):
         GradSpec.parse("k3/token+exact-kl").build("pi||ref"),
         testbed,
         batch_size=8,
-        n_trials=600,
+        n_trials=n_trials,
         seed=11,
     )
     documented = exact_token_level_gradient(target, "pi||ref", sampler)
