@@ -952,3 +952,12 @@ def test_exact_kls_and_their_modules_over_a_sequence(steps, which, direction, da
             module = modules[which] if which == "KLFromLogits" else modules[which][v]
             module.double()
             assert torch.equal(call(x), got), f"{what}: .double() changed the module's result"
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float64])
+def test_casting_a_state_returns_the_module_itself(cast):
+    """``state = state.to(dtype)`` (nn.Module's contract: ``to`` returns the module) keeps the
+    moving averages, not None."""
+    for state in (klest.BaselineEMA(), klest.LooScaleEMA(), klest.AlphaEMA()):
+        assert state.to(cast) is state, type(state).__name__
+        assert state.half() is state and state.cpu() is state, type(state).__name__
