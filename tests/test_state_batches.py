@@ -961,3 +961,12 @@ def test_casting_a_state_returns_the_module_itself(cast):
     for state in (klest.BaselineEMA(), klest.LooScaleEMA(), klest.AlphaEMA()):
         assert state.to(cast) is state, type(state).__name__
         assert state.half() is state and state.cpu() is state, type(state).__name__
+
+
+def test_a_cast_that_also_moves_the_state_moves_it_and_keeps_float64():
+    """``to(device, dtype)`` moves the float64 state to the device (the meta device here, which
+    needs no accelerator) and keeps its dtype."""
+    for state in (klest.BaselineEMA(), klest.LooScaleEMA(), klest.AlphaEMA()):
+        state.to(torch.device("meta"), torch.bfloat16)
+        for name, v in state.state_dict().items():
+            assert v.device.type == "meta" and v.dtype == torch.float64, (type(state), name)
