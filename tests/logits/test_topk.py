@@ -522,3 +522,12 @@ def test_truncated_with_minus_inf_student_logits_in_the_set():
         assert_verbose_close(got[row], torch.tensor(want, dtype=torch.float64), atol=1e-12)
     (grad,) = torch.autograd.grad(got.sum(), z)
     assert torch.isfinite(grad).all()
+    # Row 0's gradient: autograd of the formula over S's supported tokens, written here.
+    z0 = z[0].detach().clone().requires_grad_(True)
+    s = idx[0][z0.detach()[idx[0]] > -math.inf]
+    la_s = z0[s] - torch.logsumexp(z0[s], -1)
+    lb_s = (teacher[0, idx[0]] - torch.logsumexp(teacher[0, idx[0]], -1))[
+        z0.detach()[idx[0]] > -math.inf
+    ]
+    (want_grad,) = torch.autograd.grad((la_s.exp() * (la_s - lb_s)).sum(), z0)
+    assert_verbose_close(grad[0], want_grad, atol=1e-12)
