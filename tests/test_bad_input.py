@@ -263,3 +263,11 @@ def test_value_checks_judge_flags_and_host_reads_in_registration_order():
     disabled = ValueChecks(False)
     disabled.add_read((torch.tensor(1.0),), lambda v: True, lambda: "never")
     assert disabled.run() == []
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.bool])
+def test_integer_behavior_log_probs_are_refused_by_name(dtype):
+    with pytest.raises(TypeError, match="logp_behavior must have a floating-point dtype"):
+        klest.k3(P, Q, logp_behavior=Q.to(dtype))
+    with pytest.raises(TypeError, match=r"logp_behavior must be a torch\.Tensor, got list"):
+        klest.k3(P, Q, logp_behavior=Q.tolist())

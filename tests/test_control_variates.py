@@ -151,3 +151,17 @@ def test_constant_control_variate_beside_a_large_one_gives_alpha_zero(c):
     b = torch.tensor([[c], [c], [c], [c], [3e4]], dtype=torch.float64)
     got = fit_alpha(a, b, torch.ones_like(a, dtype=torch.bool), "loo")
     assert float(got[4]) == 0.0
+
+
+def test_crossfit_folds_alternate_over_the_rows_with_tokens_only():
+    """An empty row (a sequence with no valid token) takes no place in the alternation: the
+    folds are the even and odd positions among the rows that have tokens."""
+    a, b, valid = case(7, 3, seed=5)
+    valid[2] = False
+    cross = fit_alpha(a, b, valid, "crossfit")
+    with_tokens = [i for i in range(7) if bool(valid[i].any())]
+    fold = {row: k % 2 for k, row in enumerate(with_tokens)}
+    for i in with_tokens:
+        other = [j for j in with_tokens if fold[j] != fold[i]]
+        expected = brute_alpha(a[other][valid[other]].numpy(), b[other][valid[other]].numpy())
+        assert float(cross[i]) == pytest.approx(expected, rel=1e-9)

@@ -952,3 +952,21 @@ def test_exact_kls_and_their_modules_over_a_sequence(steps, which, direction, da
             module = modules[which] if which == "KLFromLogits" else modules[which][v]
             module.double()
             assert torch.equal(call(x), got), f"{what}: .double() changed the module's result"
+
+
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float64])
+def test_casting_a_state_returns_the_module_itself(cast):
+    """``state = state.to(dtype)`` (nn.Module's contract: ``to`` returns the module) keeps the
+    moving averages, not None."""
+    for state in (klest.BaselineEMA(), klest.LooScaleEMA(), klest.AlphaEMA()):
+        assert state.to(cast) is state, type(state).__name__
+        assert state.half() is state and state.cpu() is state, type(state).__name__
+
+
+def test_a_cast_that_also_moves_the_state_moves_it_and_keeps_float64():
+    """``to(device, dtype)`` moves the float64 state to the device (the meta device here, which
+    needs no accelerator) and keeps its dtype."""
+    for state in (klest.BaselineEMA(), klest.LooScaleEMA(), klest.AlphaEMA()):
+        state.to(torch.device("meta"), torch.bfloat16)
+        for name, v in state.state_dict().items():
+            assert v.device.type == "meta" and v.dtype == torch.float64, (type(state), name)

@@ -171,3 +171,13 @@ def test_drop_ins_compile_in_one_graph_and_name_their_arguments(peer):
     with pytest.raises(ValueError, match=f"{d.logp_ref} has values above 0"):
         torch.compile(loss)(lp.detach(), -lr.detach(), None)
     assert klest._checks.caller_names() == klest._checks.KLEST_NAMES
+
+
+def test_nested_names_restore_the_enclosing_callers_names():
+    """The innermost block's names hold inside it; leaving it gives back the enclosing block's
+    names (not klest's own), and leaving that one gives back klest's."""
+    with klest._checks.named_by_caller(verl._NAMES):
+        with klest._checks.named_by_caller(openrlhf._NAMES):
+            assert klest._checks.caller_names() == openrlhf._NAMES
+        assert klest._checks.caller_names() == verl._NAMES
+    assert klest._checks.caller_names() == klest._checks.KLEST_NAMES

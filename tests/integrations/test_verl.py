@@ -665,3 +665,18 @@ def test_full_with_ignored_labels_and_no_mask_drops_those_positions():
     z64 = z.clone().requires_grad_(True)
     rb_surrogate_reference(z64, y, labels, mask).sum().backward()
     assert_verbose_close(zz.grad, z64.grad, atol=1e-14, rtol=1e-10)
+
+
+@pytest.mark.parametrize("grad", ["cumulative", "score"])
+def test_validate_false_checks_nothing_with_klests_gradient(grad):
+    """validate=False: NaN log-probs give NaN where they are, as the value checks are off (no
+    error from the value's log-ratios either)."""
+    lp, lr = log_probs((3, 4), seed=28)
+    bad = lr.clone()
+    bad[1, 2] = float("nan")
+    out = verl.kl_penalty(lp.clone().requires_grad_(True), bad, "k3", grad=grad, validate=False)
+    assert bool(torch.isnan(out[1, 2]))
+    rows = [0, 2]  # rows without the NaN
+    want = verl_formula(lp[rows] - lr[rows], "k3")
+    atol = REFERENCE_ROUNDING * (lp[rows] - lr[rows]).abs()
+    assert_verbose_close(out[rows], want, atol=atol, rtol=1e-13)

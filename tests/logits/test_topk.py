@@ -538,3 +538,32 @@ def test_bound_and_exact_expectation_hold_for_any_pair(v, k_frac, scale, seed, d
             reduction="none",
         )
         assert_verbose_close((pi * vals).sum(), exact, atol=atol, rtol=1e-9, what=est)
+
+
+def test_truncated_with_minus_inf_student_logits_in_the_set():
+    """truncated, KL(pi||ref): a -inf student logit in S takes no part in the student's
+    normaliser over S (the value is the renormalised KL over S of the reference's formula), and
+    a student with no mass on S gives 0; both with finite gradients."""
+    z, teacher, idx, top = _case(seed=18, shape=(2,), v=10, k=3)
+    z[0, idx[0, 1]] = -math.inf  # one token of S outside pi's support
+    z[1].scatter_(-1, idx[1], -math.inf)  # no mass on S at all
+    z = z.requires_grad_(True)
+    y = torch.stack([idx[0, 0], torch.tensor(next(v for v in range(10) if v not in idx[1]))])
+    got = _topk(z, idx, top, teacher, y, estimator="truncated")
+    la = z.detach().log_softmax(-1)
+    for row in range(2):
+        want = reference_value(
+            la[row], teacher[row], idx[row].tolist(), int(y[row]), "truncated", "pi||ref"
+        )
+        assert_verbose_close(got[row], torch.tensor(want, dtype=torch.float64), atol=1e-12)
+    (grad,) = torch.autograd.grad(got.sum(), z)
+    assert torch.isfinite(grad).all()
+    # Row 0's gradient: autograd of the formula over S's supported tokens, written here.
+    z0 = z[0].detach().clone().requires_grad_(True)
+    s = idx[0][z0.detach()[idx[0]] > -math.inf]
+    la_s = z0[s] - torch.logsumexp(z0[s], -1)
+    lb_s = (teacher[0, idx[0]] - torch.logsumexp(teacher[0, idx[0]], -1))[
+        z0.detach()[idx[0]] > -math.inf
+    ]
+    (want_grad,) = torch.autograd.grad((la_s.exp() * (la_s - lb_s)).sum(), z0)
+    assert_verbose_close(grad[0], want_grad, atol=1e-12)
