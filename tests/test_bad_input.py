@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -271,3 +273,21 @@ def test_integer_behavior_log_probs_are_refused_by_name(dtype):
         klest.k3(P, Q, logp_behavior=Q.to(dtype))
     with pytest.raises(TypeError, match=r"logp_behavior must be a torch\.Tensor, got list"):
         klest.k3(P, Q, logp_behavior=Q.tolist())
+
+
+def test_a_once_per_process_warning_queued_twice_in_one_call_is_given_once(monkeypatch):
+    """The same key queued twice in one ValueChecks (both failing) gives one warning, the first
+    one's message; a later call does not give it again."""
+    from klest._checks import ValueChecks
+
+    monkeypatch.setattr("klest._checks._WARNED_ONCE", set())
+    checks = ValueChecks(True)
+    checks.warn_once("key", torch.tensor([True]), lambda _: "first")
+    checks.warn_once("key", torch.tensor([True]), lambda _: "second")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        checks.run()
+        again = ValueChecks(True)
+        again.warn_once("key", torch.tensor([True]), lambda _: "third")
+        again.run()
+    assert [str(w.message) for w in caught] == ["first"]

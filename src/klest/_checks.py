@@ -196,7 +196,8 @@ class ValueChecks:
             # the flags and the read values to one dtype (bool widens exactly).
             per_item = [item.scalars() for item in items]
             read = iter(torch.stack([s.to(device) for ss in per_item for s in ss]).tolist())
-        warned, probes = [], []
+        warned: dict[str, str] = {}
+        probes = []
         for item, ss in zip(items, per_item, strict=True):
             values = [next(read) for _ in ss]
             failed = item.failed(*values) if item.failed is not None else bool(values[0])
@@ -204,9 +205,9 @@ class ValueChecks:
                 probes.append(failed)
             elif failed and item.key is None:
                 raise ValueError(item.message(item.flags))
-            elif failed and item.key not in _WARNED_ONCE:
-                warned.append((item.key, item.message(item.flags)))
-        for key, text in warned:
+            elif failed and item.key not in _WARNED_ONCE and item.key not in warned:
+                warned[item.key] = item.message(item.flags)
+        for key, text in warned.items():
             _WARNED_ONCE.add(key)
             warn_at_caller(text, UserWarning)
         return probes
