@@ -81,6 +81,17 @@ def assert_failures_consistent(stats: list[float], threshold: float, rate: float
     return worst
 
 
+def mean_z(draws: torch.Tensor, exact: float) -> float:
+    """``|mean(draws) - exact|`` in standard errors ``std(draws) / sqrt(n)`` (``inf`` when the
+    draws do not vary and miss ``exact`` by more than 1e-12, 0 when they match it)."""
+    draws = draws.detach().double().reshape(-1)
+    gap = abs(float(draws.mean()) - exact)
+    se = float(draws.std()) / math.sqrt(draws.numel())
+    if se == 0:
+        return 0.0 if gap <= 1e-12 else math.inf
+    return gap / se
+
+
 def assert_mean_close(draws: torch.Tensor, exact: float, *, z: float = Z, what: str = "") -> None:
     """Assert ``|mean(draws) - exact| <= z * std(draws) / sqrt(n)``."""
     draws = draws.detach().double().reshape(-1)
