@@ -2,8 +2,8 @@
 
 The quick run's claims are checked against the per-prompt numbers it writes (every draw's
 estimate and every prompt's reference), with statistics computed here, not read from its
-summary: unbiased estimators match the independent high-M RB reference; RB's spread is below
-MC's at every M; the policy is several nats from ref.
+summary: MC and RB match the independent high-M RB reference; RB's spread is below MC's at
+every M; the policy is several nats from ref.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 pytest.importorskip("transformers", reason="the klest[hf] extra (installed by make test)")
 pytest.importorskip("matplotlib", reason="the klest[experiments] extra")
 
-from klest.experiments.rb_vs_mc import MS, UNBIASED, rb_control_variate
+from klest.experiments.rb_vs_mc import MS, rb_control_variate
 from klest.experiments.reviews import BOS_ID, EOS_ID, ID, PAD_ID
 from klest.experiments.small_lms import (
     Architecture,
@@ -109,33 +109,52 @@ def _prompt_means(r: dict, m: int, e: str) -> np.ndarray:
 
 
 def test_rb_vs_mc_quick(tmp_path):
-    """Three claims, each with its false-fail rate RATE (6.3e-5):
+    """Three claims, each with its false-fail rate RATE (6.3e-5); the numbers "over 21 runs"
+    are the quick run's at 21 run seeds (models, prompts and samples all redrawn):
 
     - the policy is several (> 2) nats from ref: the mean over prompts of the reference KL,
-      one-sided, its standard error from the spread across prompts (Student's t);
-    - each unbiased estimator's mean error against the independent reference (per prompt: mean
-      over draws minus the reference; averaged over prompts) is within t standard errors, t
-      Student's for RATE over the 5 x 3 comparisons (Bonferroni, two-sided);
-    - RB's variance across draws is below MC's at each M: per prompt the difference of the two
-      sample variances (same samples: paired), mean over prompts above t standard errors,
-      one-sided, Bonferroni over the 3 values of M. Power: the quick run's RB variance is about
-      0.3 of MC's, t = 10 to 25 against a threshold of 4.8.
+      one-sided, its standard error from the spread across prompts (Student's t). The bound
+      was 2.43 to 2.80 over 21 runs.
+    - mc and rb are unbiased: each one's mean error against the independent reference (per
+      prompt: mean over draws minus the reference; averaged over prompts) within t standard
+      errors, t Student's for RATE over the 2 comparisons (4.86, two-sided); over 21 runs the
+      largest |t| was 2.97. A draw of M samples is the mean of M draws of one (asserted below
+      to rounding), so the mean over draws, and this comparison, do not depend on M.
+      The other unbiased estimators, cv_fitted, cv_batch and rb_cv, add alpha (R - 1) with the
+      sequence ratio R, whose heavy right tail puts the typical 32-prompt mean below the
+      expectation: compared the same way (15 comparisons, t = 5.57) their t over 21 runs had
+      means down to -1.4 and spreads up to 1.9 (cv_fitted at M = 10: -4.8 to 0.9), about a 1%
+      false-fail rate. They are unbiased by construction (alpha fitted leave-one-out: E[alpha
+      (R - 1)] = E[alpha] E[R - 1] = 0; the fit is tested above and in test_control_variates);
+      what is kept here is that at M = 1, with no other sample to fit on, cv_fitted is mc and
+      rb_cv is rb (to rounding).
+    - RB's variance across draws is below MC's: at M = 1 (80 draws per prompt), per prompt the
+      difference of the two sample variances (same samples: paired), mean over prompts above t
+      standard errors, one-sided (4.38). Power: RB's variance is 0.28 to 0.36 of MC's, t = 17.5
+      to 26.9 over 21 runs. At M = 5 and 10 both estimates are means of M draws of one, so both
+      variances are the M = 1 ones over M and the claim holds at every M; tested there directly
+      (8 draws per prompt at M = 10) its t was 5.0 to 9.8 against 4.76 for the 3 values of M,
+      too little margin.
     """
     r = run_quick("rb-vs-mc", tmp_path)
     ref = np.array(r["reference"]["mean"], dtype=np.float64)
     n = len(ref)
     t_one = t_for(RATE, 1, dof=n - 1, two_sided=False)
     assert ref.mean() - t_one * ref.std(ddof=1) / math.sqrt(n) > SEVERAL_NATS, ref.mean()
-    t_bias = t_for(RATE, len(UNBIASED) * len(MS), dof=n - 1)
+    one = {e: _prompt_means(r, 1, e) for e in ("mc", "rb")}
     for m in MS:
-        for e in UNBIASED:
-            gap = _prompt_means(r, m, e).mean(-1) - ref
-            se = gap.std(ddof=1) / math.sqrt(n)
-            assert abs(gap.mean()) <= t_bias * se, (m, e, gap.mean(), se)
-    t_sd = t_for(RATE, len(MS), dof=n - 1, two_sided=False)
-    for m in MS:
-        diff = _prompt_means(r, m, "mc").var(-1, ddof=1) - _prompt_means(r, m, "rb").var(-1, ddof=1)
-        assert diff.mean() > t_sd * diff.std(ddof=1) / math.sqrt(n), (m, diff.mean())
+        for e, draws in one.items():  # [prompts, draws]: consecutive groups of m
+            grouped = draws.reshape(n, -1, m).mean(-1)
+            np.testing.assert_allclose(_prompt_means(r, m, e), grouped, rtol=1e-12)
+    np.testing.assert_allclose(_prompt_means(r, 1, "cv_fitted"), one["mc"], rtol=1e-12)
+    np.testing.assert_allclose(_prompt_means(r, 1, "rb_cv"), one["rb"], rtol=1e-12)
+    t_bias = t_for(RATE, len(one), dof=n - 1)
+    for e, draws in one.items():
+        gap = draws.mean(-1) - ref
+        se = gap.std(ddof=1) / math.sqrt(n)
+        assert abs(gap.mean()) <= t_bias * se, (e, gap.mean(), se)
+    diff = one["mc"].var(-1, ddof=1) - one["rb"].var(-1, ddof=1)
+    assert diff.mean() > t_one * diff.std(ddof=1) / math.sqrt(n), diff.mean()
     # The file's layout: {M: {estimator: {mean, sd, ...}}}, and the gradient study's.
     for m in MS:
         assert {"mean", "sd", "bias", "bias_se"} <= set(r[str(m)]["rb"])
