@@ -92,6 +92,22 @@ def mean_z(draws: torch.Tensor, exact: float) -> float:
     return gap / se
 
 
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """The smaller tail of Binomial(n, p) at ``k``, min(P(X <= k), P(X >= k)), summed exactly
+    (in log space): a frequency's two-sided test without the normal approximation, whose
+    tails are too thin when n p is small (at n p = 130 a z of 4.25 fails at 1.5 times its
+    normal rate)."""
+    log_p, log_q = math.log(p), math.log1p(-p)
+    top = math.lgamma(n + 1)
+
+    def pmf(j: int) -> float:
+        return math.exp(
+            top - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * log_p + (n - j) * log_q
+        )
+
+    return min(sum(map(pmf, range(k + 1))), sum(map(pmf, range(k, n + 1))))
+
+
 def assert_mean_close(draws: torch.Tensor, exact: float, *, z: float = Z, what: str = "") -> None:
     """Assert ``|mean(draws) - exact| <= z * std(draws) / sqrt(n)``."""
     draws = draws.detach().double().reshape(-1)
