@@ -306,9 +306,10 @@ def test_token_local_gradient_is_the_mean_of_per_token_losses(direction):
     loss is written here by hand, without klest's estimators.
 
     The table's scale, 0.5, keeps every (prefix, token) pair common: at least 86 expected
-    visits in the 40000 sequences. At scale 1 the rarest pair has 3.4, and a coordinate whose
-    mean rests on a rare token with a large term fails whenever that token is not drawn (its
-    standard error then misses it too): 4 of 150 draw seeds failed, with |z| up to 14. At
+    visits in the 40000 sequences. At scale 1 with 20000 sequences the rarest pair had 3.4,
+    and a coordinate whose mean rests on a rare token with a large term fails whenever that
+    token is not drawn (its standard error then misses it too): 4 of 150 draw seeds failed
+    (pi||ref), with |z| up to 14 against 5.02. At
     scale 0.5, over 200 draw seeds the |z| of the 2 x 45 coordinates exceed 3 and 3.5 about as
     often as normal deviates do (52 and 8 times, vs 49 and 8), and the largest was 4.15, 0.86
     of the threshold."""
