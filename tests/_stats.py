@@ -81,6 +81,33 @@ def assert_failures_consistent(stats: list[float], threshold: float, rate: float
     return worst
 
 
+def mean_z(draws: torch.Tensor, exact: float) -> float:
+    """``|mean(draws) - exact|`` in standard errors ``std(draws) / sqrt(n)`` (``inf`` when the
+    draws do not vary and miss ``exact`` by more than 1e-12, 0 when they match it)."""
+    draws = draws.detach().double().reshape(-1)
+    gap = abs(float(draws.mean()) - exact)
+    se = float(draws.std()) / math.sqrt(draws.numel())
+    if se == 0:
+        return 0.0 if gap <= 1e-12 else math.inf
+    return gap / se
+
+
+def binomial_tail(k: int, n: int, p: float) -> float:
+    """The smaller tail of Binomial(n, p) at ``k``, min(P(X <= k), P(X >= k)), summed exactly
+    (in log space): a frequency's two-sided test without the normal approximation, whose
+    tails are too thin when n p is small (at n p = 130 a z of 4.25 fails at 1.5 times its
+    normal rate)."""
+    log_p, log_q = math.log(p), math.log1p(-p)
+    top = math.lgamma(n + 1)
+
+    def pmf(j: int) -> float:
+        return math.exp(
+            top - math.lgamma(j + 1) - math.lgamma(n - j + 1) + j * log_p + (n - j) * log_q
+        )
+
+    return min(sum(map(pmf, range(k + 1))), sum(map(pmf, range(k, n + 1))))
+
+
 def assert_mean_close(draws: torch.Tensor, exact: float, *, z: float = Z, what: str = "") -> None:
     """Assert ``|mean(draws) - exact| <= z * std(draws) / sqrt(n)``."""
     draws = draws.detach().double().reshape(-1)

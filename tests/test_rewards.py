@@ -206,32 +206,51 @@ def test_k1_reward_gradient_null_check_holds_over_seeds():
         assert_failures_consistent(stats, K1_THRESHOLD, RATE / 2, f"k1 reward, rtg={rtg}")
 
 
-@pytest.mark.parametrize(
-    ("name", "rejected"),
-    [
-        # One-token samples: the per-position gradient of KL(ref||pi) is the KL's own.
-        ("one-token", "grad KL(pi||ref)"),
-        ("tabular", "grad KL(pi||ref)"),
-        ("tabular", "grad KL(pi||ref) - grad KL(ref||pi)"),
-    ],
-)
-def test_k3_reward_gradient_is_the_documented_difference(name, rejected):
-    """k3 as a reward: E[g] = grad KL(pi||ref) - sum_t E_{y<t ~ pi}[grad KL(ref_t||pi_t)]
-    (prefixes held fixed; klest.rewards). One null comparison (z_for(RATE, 1) = 3.83); the
-    rejections measured z = 24.6 ("one-token"), 26.3 (vs grad KL(pi||ref)) and 7.2 (vs the
-    sequence-level difference, which the sequences' prefixes make wrong)."""
-    testbed = (
-        TabularAutoregressive.random(4, 1, eos=0, seed=3, scale=1.0)
-        if name == "one-token"
-        else make(name)
-    )
-    draws = gradient_draws(reinforce("k3", True), testbed, batch_size=8, n_trials=400, seed=2)
+# k3 as a reward: E[g] = grad KL(pi||ref) - sum_t E_{y<t ~ pi}[grad KL(ref_t||pi_t)] (prefixes
+# held fixed; klest.rewards). One null comparison per testbed, one-sided: z_for(RATE, 1,
+# two_sided=False) = 3.83. Its rejections: "one-token" (one-token samples, where the
+# per-position gradient of KL(ref||pi) is the KL's own) against grad KL(pi||ref); "tabular"
+# against grad KL(pi||ref) and against the sequence-level grad KL(pi||ref) - grad KL(ref||pi),
+# which the sequences' prefixes make wrong.
+K3_TESTBEDS = {
+    "one-token": lambda: TabularAutoregressive.random(4, 1, eos=0, seed=3, scale=1.0),
+    "tabular": lambda: make("tabular"),
+}
+K3_THRESHOLD = z_for(RATE, 1, two_sided=False)
+
+
+def _k3_checks(name: str, seed: int) -> tuple[float, dict[str, float]]:
+    """The null statistic and the statistics of the targets to reject, from 100 batches of 32
+    sequences drawn with ``seed``."""
+    testbed = K3_TESTBEDS[name]()
+    draws = gradient_draws(reinforce("k3", True), testbed, batch_size=32, n_trials=100, seed=seed)
     grad_pi_ref = flat(testbed.exact_kl_grad("pi||ref"))
     documented = grad_pi_ref - exact_token_level_gradient(testbed, "ref||pi")
-    threshold = z_for(RATE, 1, two_sided=False)
-    assert mean_shift_z(draws, documented) <= threshold
-    targets = {
-        "grad KL(pi||ref)": grad_pi_ref,
-        "grad KL(pi||ref) - grad KL(ref||pi)": grad_pi_ref - flat(testbed.exact_kl_grad("ref||pi")),
-    }
-    assert mean_shift_z(draws, targets[rejected]) > threshold
+    rejected = {"grad KL(pi||ref)": mean_shift_z(draws, grad_pi_ref)}
+    if name == "tabular":
+        sequence_level = grad_pi_ref - flat(testbed.exact_kl_grad("ref||pi"))
+        rejected["grad KL(pi||ref) - grad KL(ref||pi)"] = mean_shift_z(draws, sequence_level)
+    return mean_shift_z(draws, documented), rejected
+
+
+@pytest.mark.parametrize("name", K3_TESTBEDS)
+def test_k3_reward_gradient_is_the_documented_difference(name):
+    """Over 100 draw seeds the null statistic's largest value was 2.2 ("one-token") and 2.5
+    ("tabular"), against 3.83; the rejections averaged z = 26 (smallest 23, "one-token"), 26
+    (smallest 21, "tabular", vs grad KL(pi||ref)) and 7.7 (smallest 5.8, sd 0.7, vs the
+    sequence-level difference): 5 sd above the threshold."""
+    z_null, rejected = _k3_checks(name, seed=2)
+    assert z_null <= K3_THRESHOLD, (name, z_null)
+    for target, z in rejected.items():
+        assert z > K3_THRESHOLD, (name, target, z)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", K3_TESTBEDS)
+def test_k3_reward_gradient_checks_hold_over_seeds(name):
+    """The test above at 15 other draw seeds: no null failure expected (15 x RATE = 9.5e-4),
+    and every rejection holds."""
+    checks = [_k3_checks(name, seed) for seed in range(100, 115)]
+    assert_failures_consistent([z for z, _ in checks], K3_THRESHOLD, RATE, f"k3 reward, {name}")
+    weakest = min(z for _, rejected in checks for z in rejected.values())
+    assert weakest > K3_THRESHOLD, (name, weakest)
