@@ -560,7 +560,9 @@ def _value_verdict(seq: ValueAudit, local: ValueAudit, threshold: float) -> str:
 def _measure(config: RunConfig, bar: Any) -> dict[str, Any]:
     testbed = _separated_testbed()
     local = testbed.token_local()
-    trials = 300 if config.quick else 2000
+    # --quick: 600 batches keep the weakest rejection (score+mean against grad KL(pi||ref), z
+    # about 9.6) 5 standard deviations above the verdict threshold; at 300 it was 2.7.
+    trials = 600 if config.quick else 2000
     value_trials = 50 if config.quick else 500
     calls = [o.call for o in OPTIONS] + [o.intended for o in OPTIONS]
     grads = {c.gradient_key(): c for c in calls}
