@@ -71,33 +71,58 @@ def _chi2_two_sided_p(x: float, dof: int) -> float:
     return 2 * min(cdf, 1 - cdf)
 
 
+# The chimera-variance test's comparisons: k1 and Chimera (the same draws) at the four --quick
+# dimensions, k3 at the three where its moments allow a tolerance.
+CHIMERA_COMPARISONS = 2 * 4 + 3
+K3_TOLERANCE_DIMS = (1, 10, 100)
+
+
+def _k3_variance_stats(monte_carlo: dict[int, float], mu: float, batch: int, n: int) -> list:
+    """|MC - exact| / se of k3's per-coordinate gradient variance at each dimension in
+    ``K3_TOLERANCE_DIMS``, as fractions of the threshold z_for(RATE, CHIMERA_COMPARISONS) (each
+    fails above 1). se^2 = mu4 / n - sigma^4 (n - 3) / (n (n - 1)) for one coordinate."""
+    out = []
+    for d in K3_TOLERANCE_DIMS:
+        var, m4 = _batch_gradient_moments(_k3_gradient_moments(mu, d), batch)
+        se = math.sqrt(m4 / n - var * var * (n - 3) / (n * (n - 1)))
+        out.append(abs(monte_carlo[d] - var) / se / z_for(RATE, CHIMERA_COMPARISONS))
+    return out
+
+
 def test_chimera_variance(tmp_path):
     """Monte Carlo variances against the exact ones, with tolerances from their own errors.
 
+    False-fail rate ``RATE`` over 11 comparisons (Bonferroni; k1's and Chimera's gradients are
+    the same draws, so 7 distinct events: conservative).
     k1 and Chimera: per coordinate the batch gradient is mu_d + mean(eps_d) ~ N(mu_d, 1/B),
     independent across coordinates and trials, so the reported mean over D coordinates of the
     unbiased variances from n trials satisfies D (n - 1) B * MC ~ chi^2_{D(n-1)} exactly: the
-    two-sided p-value must be above 6e-5 (the false-fail rate of Z = 4).
+    two-sided p-value must be above RATE / 11.
     k3: a normal approximation with se(s^2)^2 = mu4/n - sigma^4 (n - 3)/(n (n - 1)), mu4 from
     the closed-form moments above, for one coordinate (coordinates share r, so averaging over
-    D is not credited: conservative). Only D <= 100 (m^2 <= 0.25): at D = 1000 the fourth
-    moment carries e^{6 m^2} = e^{15}, the sample variance of 100 trials is dominated by rare
-    draws and no useful tolerance exists; there only the growth is asserted.
+    D is not credited: conservative), within z_for(RATE, 11) = 4.54 se. Only D <= 100
+    (m^2 <= 0.25): at D = 1000 the fourth moment carries e^{6 m^2} = e^{15}, the sample
+    variance of 100 trials is dominated by rare draws and no useful tolerance exists; there
+    only the growth is asserted.
+    Measured over 200 runs with independent draws: every comparison within 0.70 of its
+    threshold (the chi^2 p-values as normal deviates); the growth of k3's variance from D = 1
+    to 1000 at least 656x (log-ratio mean 7.55, sd 0.55: 5.4 sd above log 100) against 100x.
     """
     r = run_quick("chimera-variance", tmp_path)
     batch, mu, n = r["batch"], r["mu0"], r["trials"]
     rows = {row["D"]: row for row in r["rows"]}
+    assert len(rows) * 2 + len(K3_TOLERANCE_DIMS) == CHIMERA_COMPARISONS
     for d, row in rows.items():
         for e in ("k1", "chimera"):
             dof = d * (n - 1)
             p = _chi2_two_sided_p(dof * batch * row[e]["monte_carlo"], dof)
-            assert p >= P_FAIL, (d, e, row[e]["monte_carlo"], 1 / batch, p)
+            assert p >= RATE / CHIMERA_COMPARISONS, (d, e, row[e]["monte_carlo"], 1 / batch, p)
             assert row[e]["closed_form"] == pytest.approx(1 / batch, rel=1e-12)
-    for d in (1, 10, 100):
-        var, m4 = _batch_gradient_moments(_k3_gradient_moments(mu, d), batch)
+    for d in K3_TOLERANCE_DIMS:
+        var, _ = _batch_gradient_moments(_k3_gradient_moments(mu, d), batch)
         assert rows[d]["k3"]["closed_form"] == pytest.approx(var, rel=1e-9)
-        se = math.sqrt(m4 / n - var * var * (n - 3) / (n * (n - 1)))
-        assert abs(rows[d]["k3"]["monte_carlo"] - var) <= Z * se, (d, rows[d]["k3"], var, se)
+    k3_mc = {d: rows[d]["k3"]["monte_carlo"] for d in K3_TOLERANCE_DIMS}
+    assert max(_k3_variance_stats(k3_mc, mu, batch, n)) <= 1, k3_mc
     # k3 explodes with D, the essay code's inverted ratio much faster.
     assert rows[1000]["k3"]["monte_carlo"] > 100 * rows[1]["k3"]["monte_carlo"]
     assert rows[1000]["k3 (essay code)"]["closed_form"] > 100 * rows[1000]["k3"]["closed_form"]
@@ -105,11 +130,58 @@ def test_chimera_variance(tmp_path):
     assert all(row["chimera + stl"]["monte_carlo"] < 1e-20 for row in r["rows"])
 
 
+@pytest.mark.slow
+def test_chimera_variance_k3_tolerance_over_draws():
+    """The chimera-variance test's normal approximation for k3 (D = 1, 10, 100; 100 trials of
+    batch 32, as --quick) over 10 independent draws: no failure expected (10 x 6.3e-5)."""
+    from klest.audit import gradient_draws
+    from klest.experiments import chimera
+    from klest.testbeds import GaussianTestbed
+
+    def k3_variance(dim: int, seed: int) -> float:
+        testbed = GaussianTestbed.chimera(dim, chimera.MU0)
+        draws = gradient_draws(
+            lambda s: chimera.loss("k3", s),
+            testbed,
+            batch_size=chimera.BATCH,
+            n_trials=100,
+            seed=seed + dim,
+        )
+        return float(draws[:, :dim].var(0).mean())
+
+    stats = [
+        max(
+            _k3_variance_stats(
+                {d: k3_variance(d, seed) for d in K3_TOLERANCE_DIMS},
+                chimera.MU0,
+                chimera.BATCH,
+                100,
+            )
+        )
+        for seed in range(1, 11)
+    ]
+    assert_failures_consistent(stats, 1.0, RATE, "chimera-variance k3")
+
+
 def test_chimera_training(tmp_path):
+    """The essay's training claims at --quick (300 Adam steps, batches of 32), each with the
+    margin measured over 60 runs with independent draws (80 for k3 at D = 1000); on the log
+    scale the statistics are near normal, and each margin below is at least 4.3 of its sd
+    (a one-sided rate under 1e-5 each).
+
+    - D = 1000, k3: its gradient noise makes Adam climb. The exact KL averaged over the recorded
+      steps is 2.3 to 19x the initial KL (log-ratio mean 1.77, sd 0.41: 4.3 sd above 1x). The
+      final KL alone is not asserted: 1.26x at the lowest, 2.6 sd above 1x on the log scale.
+    - D = 1000, k1 and Chimera (the same gradient: identical runs): final KL 0.60 to 0.79x the
+      initial (log sd 0.05: 7 sd below 1x).
+    - D = 1000, Chimera with sticking the landing: its gradient is exactly mu, and the final
+      KL was exactly 0 in every run, against 0.1x Chimera's.
+    - D = 10: k3's final KL at most 7.5e-7 of Chimera's (log-ratio 10 sd below 0).
+    """
     r = run_quick("chimera-training", tmp_path)
     c = r["curves"]
-    # At D = 1000, k3's gradient noise makes Adam diverge; k1 and Chimera make progress.
-    assert c["1000/k3"]["exact_kl"][-1] > c["1000/k3"]["initial_kl"]
+    k3 = c["1000/k3"]
+    assert np.mean(k3["exact_kl"]) > k3["initial_kl"], k3
     for e in ("k1", "chimera"):
         assert c[f"1000/{e}"]["exact_kl"][-1] < c[f"1000/{e}"]["initial_kl"]
     # k1's gradient noise does not vanish at the optimum; sticking the landing's does.
