@@ -190,25 +190,102 @@ def test_chimera_training(tmp_path):
     assert c["10/k3"]["exact_kl"][-1] < c["10/chimera"]["exact_kl"][-1]
 
 
+PITFALLS_UNBIASED = (
+    "k3/score",
+    "k3/cumulative",
+    "k3/cumulative+loo",
+    "k3/cumulative+loo-fitted",
+    "k3/cumulative+loo-ema",
+    "rb/rb",
+)
+# The pitfalls test's threshold on audit_grad's statistics (see test_pitfalls): under the null
+# their upper tail is exponential, P(z > t) ~ e^{-2.44 t}, 2.3e-6 at 6 (normal: 1e-9).
+PITFALLS_Z = 6.0
+
+
+def _pitfalls_claims(a: dict, n: str) -> tuple[list[float], list[float]]:
+    """Part A's statistics at size ``n`` (first policy) that the pitfalls test asserts:
+    (null: must stay at most ``PITFALLS_Z``, detected: must exceed it).
+
+    Null: k1/autodiff's mean gradient against 0, the unbiased estimators' against KL(pi||ref)'s
+    gradient, in both regimes. Detected: k1/autodiff's against both KLs' gradients, the unbiased
+    estimators' against KL(ref||pi)'s, k3/token's against both and 0 (both regimes), and
+    k3/autodiff's against both and 0 at low KL.
+    """
+    null, detected = [], []
+    for regime in ("low KL", "high KL"):
+        cell = {e: cells[n][0] for e, cells in a[regime]["estimators"].items()}
+        null.append(cell["k1/autodiff"]["z_zero"])
+        detected += [cell["k1/autodiff"]["z_target"], cell["k1/autodiff"]["z_other"]]
+        for e in PITFALLS_UNBIASED:
+            null.append(cell[e]["z_target"])
+            detected.append(cell[e]["z_other"])
+        biased = ("k3/token", "k3/autodiff") if regime == "low KL" else ("k3/token",)
+        detected += [cell[e][z] for e in biased for z in ("z_target", "z_other", "z_zero")]
+    return null, detected
+
+
+def _last_tenth(run: list[float]) -> float:
+    """The mean of a curve's last 10% (the experiment's "end")."""
+    return float(np.mean(run[-max(1, len(run) // 10) :]))
+
+
 def test_pitfalls(tmp_path):
+    """The pitfalls experiment's claims at --quick.
+
+    Part A, at --quick's largest size (n = 512, 100 batches: 51200 samples), on the statistics
+    behind the verdicts (:func:`klest.audit.mean_shift_z`: the mean gradient against the exact
+    gradients of both KLs and 0; one-sided, large rejects). k1/autodiff: mean gradient zero;
+    the six unbiased estimators: descend KL(pi||ref); k3/token: neither KL's gradient nor zero
+    (both regimes); k3/autodiff: the same at low KL (:func:`_pitfalls_claims`).
+
+    - The statistic's null upper tail is much heavier than the normal one it is meant to
+      follow: it matches two moments of a quadratic form whose covariance has a few dominant
+      directions. Simulated for these policies' gradient covariances (10 policies, both
+      regimes, 4 estimators, 100 Gaussian draws per statistic, 1e6 statistics): P(z > 4) =
+      3.1e-4, P(z > 4.92) = 3.1e-5 (normal 4.3e-7), log-linear from 3 to 6 (slope -2.44),
+      P(z > 6) = 2.3e-6 on the fitted line (2 of the 1e6 above 6).
+      (Measured with the experiment's own draws over 80 runs at n = 32, the largest of 1120
+      null statistics was 4.3.) So the experiment's verdicts (at 4.92, Bonferroni under the
+      normal approximation) are not what is asserted: the 14 null statistics must stay at most
+      ``PITFALLS_Z`` = 6, a false-fail rate of at most 14 x 2.3e-6 = 3.2e-5.
+    - Detected, each above 6. The expected statistics follow from the exact mean and
+      covariance of one sequence's gradient (every sequence enumerated) and depend on the
+      random policy: over 480 random policies the smallest at 51200 samples was 8.5
+      (k3/token against KL(pi||ref), at one policy; at low KL on it 9.3, then 14.8 on any
+      other), for a miss rate of about 1e-5 averaged over policies. Over 60 runs the smallest
+      measured was 17.0 (the largest null one 3.9). With part B's, the test's false-fail rate
+      is about 5e-5.
+    - Not asserted: k3/autodiff at high KL. Its gradient is heavy-tailed (the ratio r =
+      ref/pi) and on some random policies its bias stays within its noise: over the 480
+      policies its expected statistic against KL(ref||pi)'s gradient was below 7 on 6, down
+      to 2.1. At n = 8 (the size the table's MSE column shows) the verdicts have little power:
+      the old test, which asserted them there, failed at 36 of 80 runs.
+
+    Part B, minimizing KL(pi||ref) from a random start (60 Adam steps, batches of 8), on the
+    log scale over 100 runs (near normal), each margin at least 4.3 sd (one-sided rate
+    under 1e-5 each): k1/autodiff's mean-zero gradient makes no progress, its final KL at
+    least a third of its first (0.63 at the lowest; log-ratio mean -0.01, sd 0.20: 5.4 sd) and
+    at least 10x the exact gradient's (30x at the lowest; mean 5.13, sd 0.57: 5.0 sd), while
+    k3/cumulative ends below its first (0.41 at the highest; mean -2.19, sd 0.51: 4.3 sd).
+
+    Part C (a reward, KL to the optimum pi*) is not asserted: in 60 steps neither run has
+    converged, and k1/autodiff ended within 2x of k3/cumulative in 8 of 100 runs (0.48x at the
+    lowest; the old test asserted 2x); at the full 400 steps, 2.36x at the lowest over 60 runs
+    but with a log sd of 0.89 (3.5 sd above 2x), at a cost the test suite cannot afford.
+    """
     r = run_quick("pitfalls", tmp_path)
     a = r["A_gradient_bias_mse"]
-    for regime in ("low KL", "high KL"):
-        est = a[regime]["estimators"]
-        assert est["k1/autodiff"]["8"][0]["verdict"] == "mean gradient zero"
-        for e in (
-            "k3/cumulative",
-            "k3/cumulative+loo",
-            "k3/cumulative+loo-fitted",
-            "k3/cumulative+loo-ema",
-            "rb/rb",
-        ):
-            assert est[e]["8"][0]["verdict"] == "descends KL(pi||ref)", (regime, e)
-        assert est["k3/score"]["8"][0]["verdict"] == "descends KL(pi||ref)", regime
-        for e in ("k3/autodiff", "k3/token"):
-            assert est[e]["8"][0]["verdict"].startswith("biased"), (regime, e)
-    final = r["C_final_kl_to_optimum"]
-    assert final["k1/autodiff"] > 2 * final["k3/cumulative"]
+    estimators = len(a["low KL"]["estimators"])
+    tests = 3 * 2 * estimators * len(a["sizes"]) * a["policies"]
+    assert a["verdict_z"] == pytest.approx(z_for(RATE, tests, two_sided=False))
+    null, detected = _pitfalls_claims(a, str(max(a["sizes"])))
+    assert max(null) <= PITFALLS_Z < min(detected), (null, detected)
+    b = {name: runs[0] for name, runs in r["B_kl_minimization"]["curves"].items()}
+    k1, cumulative = b["k1/autodiff"], b["k3/cumulative"]
+    assert _last_tenth(k1) > k1[0] / 3
+    assert _last_tenth(k1) > 10 * _last_tenth(b["exact gradient"])
+    assert _last_tenth(cumulative) < cumulative[0]
 
 
 CV_UNBIASED = ("k1", "k3", "cv:loo", "cv:crossfit", "cv:ema")
