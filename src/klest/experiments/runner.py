@@ -15,6 +15,7 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 from types import ModuleType
 from typing import Any
 
@@ -22,6 +23,28 @@ MISSING_MATPLOTLIB = (
     "the experiments plot with matplotlib, which is not installed; install the experiments' "
     "dependencies with: pip install 'klest[experiments]'"
 )
+
+
+FALSE_ALARM = 2 * NormalDist().cdf(-4.0)
+"""The false-alarm rate of a whole table of significance flags: that of one two-sided
+comparison at 4 standard errors (6.3e-5)."""
+
+
+def table_threshold(comparisons: int, *, two_sided: bool = True) -> float:
+    """The z threshold of each of ``comparisons`` normal comparisons in one table such that the
+    table as a whole flags a correct estimator with probability at most :data:`FALSE_ALARM`
+    (Bonferroni: the normal quantile at ``FALSE_ALARM / comparisons``, split over both tails
+    when ``two_sided``).
+
+    Example:
+      >>> round(table_threshold(1), 6)  # one two-sided comparison: 4 standard errors
+      4.0
+      >>> round(table_threshold(30), 2), round(table_threshold(144, two_sided=False), 2)
+      (4.74, 4.92)
+    """
+    if comparisons < 1:
+        raise ValueError(f"need comparisons >= 1, got {comparisons}")
+    return -NormalDist().inv_cdf(FALSE_ALARM / comparisons / (2 if two_sided else 1))
 
 
 @dataclass(frozen=True)
