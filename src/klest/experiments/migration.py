@@ -36,7 +36,6 @@ import itertools
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from statistics import NormalDist
 from typing import Any, NamedTuple
 
 import torch
@@ -44,7 +43,14 @@ from torch import Tensor
 
 from klest._progress import progress_bar
 from klest.audit import GradAudit, ValueAudit, audit_grad, audit_value
-from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
+from klest.experiments.runner import (
+    FALSE_ALARM,
+    Experiment,
+    Report,
+    RunConfig,
+    pyplot,
+    table_threshold,
+)
 from klest.logits import kl_from_logits
 from klest.penalty import KLGradientWarning, kl_penalty
 from klest.testbeds import Sample, TabularAutoregressive
@@ -53,9 +59,6 @@ VOCAB, HORIZON, EOS, SCALE = 3, 4, 2, 1.0
 BATCH, PROMPTS = 8, 2
 VALUE_BATCH = 256  # per-sequence values are independent draws: many per call
 SEPARATION = 1 / 3
-# The table's false-alarm rate (that of one 4-sigma comparison), Bonferroni-corrected over every
-# one-sided test of a hypothesis "the mean gradient (or value) is this exact answer".
-FALSE_ALARM = 2 * (1 - NormalDist().cdf(4.0))
 
 
 class Batch(NamedTuple):
@@ -568,9 +571,10 @@ def _measure(config: RunConfig, bar: Any) -> dict[str, Any]:
     grads = {c.gradient_key(): c for c in calls}
     values = {c.value_key(): c for c in calls}
     # One-sided tests of the gradients: 5 per gradient (the 2 sequence-level KLs, zero, the 2
-    # token-local KLs) and 3 per aggregation; two-sided tests of the values, 2 per value.
-    z_grad = NormalDist().inv_cdf(1 - FALSE_ALARM / (5 * len(grads) + 3 * len(AGGREGATIONS)))
-    z_value = NormalDist().inv_cdf(1 - FALSE_ALARM / (2 * 2 * len(values)))
+    # token-local KLs) and 3 per aggregation; two-sided tests of the values, 2 per value. The
+    # table's false-alarm rate, FALSE_ALARM, is Bonferroni-corrected over all of them.
+    z_grad = table_threshold(5 * len(grads) + 3 * len(AGGREGATIONS), two_sided=False)
+    z_value = table_threshold(2 * len(values))
     common = dict(batch_size=BATCH, n_trials=trials, seed=config.seed, z_threshold=z_grad)
     gradients: dict[str, dict[str, Any]] = {}
     for key, call in grads.items():

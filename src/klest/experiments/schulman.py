@@ -20,14 +20,20 @@ Full size (10M samples per row, a sweep of 16 mus at 1M each): 10 s on a busy 2-
 from __future__ import annotations
 
 import math
-from statistics import NormalDist
 
 import numpy as np
 import torch
 
 from klest.audit import audit_value
 from klest.estimators import kl_estimate
-from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
+from klest.experiments.runner import (
+    FALSE_ALARM,
+    Experiment,
+    Report,
+    RunConfig,
+    pyplot,
+    table_threshold,
+)
 from klest.testbeds import GaussianTestbed, make_generator
 
 ESTIMATORS = ("k1", "k2", "k3")
@@ -41,8 +47,7 @@ BLOG = {
 # closed form: a threshold with a false-alarm rate of FALSE_ALARM for the whole table (that of
 # one 4-sigma comparison), Bonferroni-corrected over its 12 comparisons (bias and stdev of three
 # estimators at two mus).
-FALSE_ALARM = 2 * (1 - NormalDist().cdf(4.0))  # 6.3e-5
-AGREEMENT_SE = NormalDist().inv_cdf(1 - FALSE_ALARM / (2 * 2 * len(ESTIMATORS) * len(MUS)))
+AGREEMENT_SE = table_threshold(2 * len(ESTIMATORS) * len(MUS))
 
 
 def closed_form(estimator: str, mu: float) -> tuple[float, float]:
