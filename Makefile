@@ -4,14 +4,21 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.klest-installed
 PEERS  := $(VENV)/.klest-peers-installed
+LOCK   := requirements/constraints.txt
+LATEST ?= .venv-latest
+PYTEST_ARGS ?= -n 2
 
-.PHONY: demo test test-gpu lint docs docs-figures clean
+.PHONY: demo test test-gpu test-latest latest-venv lock lint docs docs-figures clean
 
 # torch is pinned to the CPU wheel present on these machines; a looser pin pulls CUDA packages.
-$(STAMP): pyproject.toml
+# Every other package at the version in the lock ($(LOCK), pip constraints), which the check
+# after the install confirms: nothing installed that the lock does not pin, nothing at another
+# version.
+$(STAMP): pyproject.toml $(LOCK)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e ".[dev]"
+	$(PY) -m pip install --quiet torch==2.13.0 -c $(LOCK)
+	$(PY) -m pip install --quiet -e ".[dev]" -c $(LOCK)
+	$(PY) requirements/diff_lock.py --check
 	touch $(STAMP)
 
 # The real verl and OpenRLHF, pinned, for the tests that compare klest's drop-ins with them: only
@@ -32,6 +39,25 @@ test: $(STAMP) $(PEERS)
 	KLEST_REQUIRE_PEERS=1 TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q
 	$(MAKE) docs
 
+# Not run by CI. The newest releases that pyproject.toml's ranges allow, no lock (torch still
+# 2.13.0, the CPU wheel), in a venv of their own built anew each time ($(LATEST)): prints which
+# packages differ from the lock (name, locked, latest), then the peers and the tests.
+# PYTEST_ARGS picks the tests (default: all, -n 2).
+test-latest: latest-venv
+	$(LATEST)/bin/python requirements/diff_lock.py --label latest
+	$(LATEST)/bin/python -m pip install --quiet --no-deps --no-build-isolation -r requirements/peers.txt
+	KLEST_REQUIRE_PEERS=1 TRITON_INTERPRET=1 $(LATEST)/bin/python -m pytest -q $(PYTEST_ARGS)
+
+# Refreshes the lock: the same fresh resolution as test-latest, whose `pip freeze` replaces the
+# pins in $(LOCK) (its comment block stays); prints what moved. Then `make clean test`.
+lock: latest-venv
+	$(LATEST)/bin/python requirements/diff_lock.py --write
+
+latest-venv:
+	rm -rf $(LATEST)
+	$(PYTHON) -m venv $(LATEST)
+	$(LATEST)/bin/python -m pip install --quiet torch==2.13.0 -e ".[dev]"
+
 # On a CUDA machine: the kernel, logits and fused-linear tests with the real Triton kernels, and
 # the host-synchronisation checks. (benchmarks/run_on_gpu.sh runs these and the GPU benchmarks
 # with the machine's own python3, for a GPU machine without a package registry.)
@@ -51,10 +77,10 @@ docs-figures: $(STAMP)
 	done
 	$(PY) docs/figures.py runs
 
-LINTED := src tests benchmarks examples docs/conf.py docs/figures.py conftest.py
+LINTED := src tests benchmarks examples docs/conf.py docs/figures.py conftest.py requirements/diff_lock.py
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache docs/_build
+	rm -rf $(VENV) $(LATEST) runs .pytest_cache docs/_build
