@@ -18,12 +18,8 @@ from transformers import LlamaForCausalLM
 
 import klest
 from _common import parser
-from klest.integrations.hf import (
-    CompletionBatch,
-    completion_batch_from_model,
-    group_ids,
-    tiny_causal_lm,
-)
+from klest.integrations.hf import CompletionBatch, completion_batch_from_model, group_ids
+from klest.testbeds import tiny_causal_lm
 
 VOCAB = 32
 PAD, BOS, EOS = 0, 1, 2

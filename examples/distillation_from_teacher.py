@@ -62,7 +62,7 @@ from torch import Tensor
 
 import klest
 from _common import finish, parser
-from klest.integrations.hf import tiny_causal_lm
+from klest.testbeds import tiny_causal_lm
 
 VOCAB = 64
 MAX_NEW = 12  # completion length limit

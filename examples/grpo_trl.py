@@ -32,8 +32,8 @@ import torch
 from trl import GRPOConfig
 
 from _common import finish, parser
-from klest.integrations.hf import tiny_causal_lm, word_tokenizer
 from klest.integrations.trl import GRPOTrainer, KLTerm
+from klest.testbeds import tiny_causal_lm, word_tokenizer
 
 LETTERS = [chr(ord("a") + i) for i in range(12)]
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from klest.audit import audit_grad, audit_value
-from klest.audit_topk import topk_estimate_fn
+from klest.audit import audit_grad, audit_value, topk_estimate_fn
 from klest.testbeds import CategoricalTestbed, make_generator
 from tests._stats import RATE, z_for
 

@@ -9,8 +9,7 @@ import sys
 
 import pytest
 
-from klest.audit import SEQUENCE_VALUE_AUDIT, VALUE_AUDIT
-from klest.audit_topk import TOPK_AUDIT
+from klest.audit import SEQUENCE_VALUE_AUDIT, TOPK_AUDIT, VALUE_AUDIT
 from klest.cli import main
 from tests._stats import RATE, assert_failures_consistent, z_for
 

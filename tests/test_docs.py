@@ -22,10 +22,12 @@ PUBLIC_MODULES = (
     "klest.nn",
     "klest.logits",
     "klest.testbeds",
+    "klest.audit",
     "klest.integrations.hf",
     "klest.integrations.trl",
     "klest.integrations.verl",
     "klest.integrations.openrlhf",
+    "klest.integrations.migration",
 )
 
 

@@ -9,7 +9,12 @@ import mpmath
 import pytest
 import torch
 
-from klest.testbeds import LanguageModelTestbed, TabularAutoregressive, make_generator
+from klest.testbeds import (
+    LanguageModelTestbed,
+    TabularAutoregressive,
+    make_generator,
+    tiny_causal_lm,
+)
 from tests._stats import RATE, assert_mean_close, z_for
 
 pytest.importorskip("transformers")
@@ -214,8 +219,6 @@ def test_horizon_one_is_the_categorical_kl_after_the_prompt():
 
 
 def test_bad_input_is_named():
-    from klest.integrations.hf import tiny_causal_lm
-
     a = tiny_causal_lm(vocab_size=4, hidden_size=8, num_layers=1, num_heads=2)
     b = tiny_causal_lm(vocab_size=5, hidden_size=8, num_layers=1, num_heads=2)
     with pytest.raises(ValueError, match="vocabulary of 4 tokens but reference has 5"):

@@ -1,6 +1,6 @@
 """The migration table: each framework's KL option against its klest call, and the measurements.
 
-1. Every option in ``klest.experiments.migration.OPTIONS`` is written out here by hand, from the
+1. Every option in ``klest.integrations.migration.OPTIONS`` is written out here by hand, from the
    framework's documented math (TRL 1.16, verl 0.9.1, OpenRLHF 0.11.2, NeMo-RL, slime, the Tinker
    cookbook; the formulas are re-derived, not copied), and its klest call must give the same
    value and the same gradient, in float64, on a batch with right padding and groups.
@@ -21,7 +21,8 @@ import torch
 
 import klest
 from klest.cli import main
-from klest.experiments.migration import OPTIONS, Batch, KLCall, batch_of
+from klest.experiments.migration import batch_of
+from klest.integrations.migration import OPTIONS, Batch, KLCall
 from tests._stats import RATE, z_for
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -47,6 +47,7 @@ from klest.logits import skew_kl_from_logits
 from klest.logits import skew_kl_from_hidden
 from klest.logits import tv_from_logits
 from klest.logits import tv_from_hidden
+from klest.logits import token_log_probs
 from klest.logits.topk import TopKDetails
 from klest.logits.topk import TopKEstimator
 from klest.logits.topk import kl_from_topk
@@ -111,6 +112,7 @@ __all__ = [
     "set_default_validate",
     "skew_kl_from_hidden",
     "skew_kl_from_logits",
+    "token_log_probs",
     "tv_from_hidden",
     "tv_from_logits",
 ]

@@ -12,8 +12,8 @@ import torch
 from trl import GRPOConfig
 
 import klest
-from klest.integrations.hf import tiny_causal_lm, word_tokenizer
 from klest.integrations.trl import GRPOTrainer, KLTerm
+from klest.testbeds import tiny_causal_lm, word_tokenizer
 
 BETA = 0.1
 ACCUMULATION = 2

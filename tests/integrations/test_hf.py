@@ -20,9 +20,8 @@ from klest.integrations.hf import (
     generated_attention_mask,
     group_ids,
     group_ids_from_prompts,
-    tiny_causal_lm,
 )
-from klest.testbeds import make_generator
+from klest.testbeds import make_generator, tiny_causal_lm
 from tests._reference import assert_verbose_close
 
 transformers = pytest.importorskip("transformers")

@@ -293,3 +293,5 @@ TRAINING = Experiment(
     description="Chimera estimator: Adam training curves of k1, k3, chimera across dimensions",
     run=_training_run,
 )
+
+__all__ = ["TRAINING", "VARIANCE", "closed_form_variance", "loss"]

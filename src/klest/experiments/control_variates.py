@@ -191,3 +191,5 @@ EXPERIMENT = Experiment(
     description="Fitted control-variate coefficient vs k1 vs k3 under heavy tails",
     run=run,
 )
+
+__all__ = ["EXPERIMENT", "run"]

@@ -566,3 +566,16 @@ EXPERIMENT = Experiment(
     "reward and KL across seeds, reward-KL Pareto frontier",
     run=run,
 )
+
+__all__ = [
+    "EXPERIMENT",
+    "LOW_KL",
+    "QUICK",
+    "frontier_share",
+    "pareto_front",
+    "policy_loss",
+    "prompts",
+    "rloo_advantages",
+    "run",
+    "train",
+]

@@ -262,3 +262,5 @@ EXPERIMENT = Experiment(
     description="KL gradient estimators on an enumerable small LM: bias, variance, MSE",
     run=run,
 )
+
+__all__ = ["ESTIMATORS", "EXPERIMENT", "REGIMES", "estimators_for", "run"]

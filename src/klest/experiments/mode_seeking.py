@@ -181,3 +181,5 @@ EXPERIMENT = Experiment(
     description="Mode seeking vs mass covering: one Gaussian fit to two modes with either KL",
     run=run,
 )
+
+__all__ = ["EXPERIMENT", "run"]

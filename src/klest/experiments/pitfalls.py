@@ -349,3 +349,5 @@ EXPERIMENT = Experiment(
     description="KL gradient pitfalls: bias/MSE vs samples, KL minimization and reward-KL curves",
     run=run,
 )
+
+__all__ = ["EXPERIMENT", "run"]

@@ -509,3 +509,5 @@ EXPERIMENT = Experiment(
     "gradient variance, cost",
     run=run,
 )
+
+__all__ = ["EXPERIMENT", "MS", "rb_control_variate", "run"]

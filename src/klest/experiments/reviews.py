@@ -286,3 +286,28 @@ def _sentence_log_prob(s: list[str], style: ReviewStyle, noun_logp: dict, log) -
     meant_positive = adjective_positive != negated
     total += log(style.positive) if meant_positive else log(1 - style.positive)
     return total - log(len(POSITIVE_ADJECTIVES))
+
+
+__all__ = [
+    "BOS",
+    "BOS_ID",
+    "ENTHUSIAST",
+    "EOS",
+    "EOS_ID",
+    "ID",
+    "INTENSIFIERS",
+    "NEGATIVE_ADJECTIVES",
+    "NEGATIVE_VERBS",
+    "NEUTRAL",
+    "NOUNS",
+    "PAD",
+    "PAD_ID",
+    "POSITIVE_ADJECTIVES",
+    "POSITIVE_VERBS",
+    "VOCAB",
+    "ReviewStyle",
+    "decode",
+    "log_prob",
+    "sample_reviews",
+    "sentiment",
+]

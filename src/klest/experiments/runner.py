@@ -118,3 +118,14 @@ def write_report(report: Report, out: Path) -> list[Path]:
         for fig in report.figures.values():
             plt.close(fig)
     return paths
+
+
+__all__ = [
+    "FALSE_ALARM",
+    "Experiment",
+    "Report",
+    "RunConfig",
+    "pyplot",
+    "table_threshold",
+    "write_report",
+]

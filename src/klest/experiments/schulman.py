@@ -232,3 +232,5 @@ EXPERIMENT = Experiment(
     description="Schulman's k1/k2/k3 table: bias and stdev relative to KL for close Gaussians",
     run=run,
 )
+
+__all__ = ["EXPERIMENT", "closed_form", "run"]

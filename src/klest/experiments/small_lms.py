@@ -241,3 +241,22 @@ def small_lm_session(quick: bool) -> Iterator[Path]:
             yield Path(tmp) if quick else DEFAULT_CACHE
     finally:
         torch.set_num_threads(threads)
+
+
+__all__ = [
+    "DEFAULT_CACHE",
+    "MAX_LENGTH",
+    "REFERENCE",
+    "STUDENT",
+    "TEACHER",
+    "Architecture",
+    "Batch",
+    "Training",
+    "build_gpt2",
+    "completion_log_probs",
+    "review_log_prob",
+    "sample_completions",
+    "small_lm_session",
+    "train_on_reviews",
+    "trained_gpt2",
+]

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from klest.audit_topk import TOPK_AUDIT
+from klest.audit import TOPK_AUDIT
 from klest.experiments.runner import Experiment, Report, RunConfig
 from klest.logits.from_logits import kl_from_logits
 from klest.logits.topk import kl_from_topk
@@ -151,3 +151,5 @@ EXPERIMENT = Experiment(
     description="Top-k distillation: bias and spread of value and gradient, V = 32000",
     run=run,
 )
+
+__all__ = ["EXPERIMENT", "TEACHERS", "run"]

@@ -8,4 +8,8 @@ them:
 - :mod:`klest.integrations.trl`: klest's KL term inside TRL's trainers.
 - :mod:`klest.integrations.verl`: verl's ``kl_penalty`` with its option names.
 - :mod:`klest.integrations.openrlhf`: OpenRLHF's ``compute_approx_kl`` with its option names.
+- :mod:`klest.integrations.migration`: every peer's KL option written as one klest call (the
+  migration table); it imports no peer.
 """
+
+__all__: list[str] = []  # the submodules are the public surface

@@ -26,11 +26,12 @@ need, where the model can). The results feed :func:`klest.kl_penalty` (``mask=ba
 ``group=group_ids(...)``), :func:`klest.kl_estimate`, :func:`klest.kl_from_logits` and
 :func:`klest.rewards.kl_reward` directly.
 
-For tests, examples and experiments that may not download anything, :func:`tiny_causal_lm`
-and :func:`word_tokenizer` build a small model and a tokenizer from a config.
+For tests, examples and experiments that may not download anything,
+:func:`klest.testbeds.tiny_causal_lm` and :func:`klest.testbeds.word_tokenizer` build a small
+model and a tokenizer from a config.
 
-``transformers`` is needed only by :func:`completion_batch_from_model` and those two (the
-``klest[hf]`` extra); the tensor functions need only torch.
+``transformers`` is needed only by :func:`completion_batch_from_model` (the ``klest[hf]``
+extra); the tensor functions need only torch.
 """
 
 from __future__ import annotations
@@ -63,8 +64,6 @@ __all__ = [
     "generated_attention_mask",
     "group_ids",
     "group_ids_from_prompts",
-    "tiny_causal_lm",
-    "word_tokenizer",
 ]
 
 IGNORE_INDEX = -100
@@ -263,7 +262,7 @@ def completion_batch(
     is an empty completion (mask all False), and T = 0 is fine.
 
     Memory: the log-probs are computed block by block
-    (:func:`klest.logits.token_log_probs`: no float copy of the logits is kept for the
+    (:func:`klest.token_log_probs`: no float copy of the logits is kept for the
     backward). The result's logits are a view of ``logits`` when every completion starts at
     the same column, else a ``[B, T, V]`` gathered copy. The shapes need one host read (T);
     validation adds at most two.
@@ -591,106 +590,3 @@ def group_ids_from_prompts(prompt_ids: Tensor, *, prompt_mask: Tensor | None = N
     rank = torch.empty_like(first)
     rank[first.argsort()] = torch.arange(count, device=ids.device)
     return rank[inverse]
-
-
-def tiny_causal_lm(
-    *,
-    vocab_size: int,
-    hidden_size: int = 32,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    max_positions: int = 128,
-    pad_token_id: int | None = 0,
-    bos_token_id: int | None = None,
-    eos_token_id: int | None = 1,
-    seed: int | None = 0,
-) -> Any:
-    """A small ``transformers.LlamaForCausalLM`` built from a config: nothing is downloaded.
-
-    For tests, examples and experiments that need a real causal LM offline. The weights are
-    Llama's random initialization under ``torch.manual_seed(seed)`` (the global generator is
-    reseeded; ``seed=None`` draws from it as it stands); the MLP is twice the hidden size.
-    Save it with ``save_pretrained`` where a trainer wants a path.
-
-    Args:
-      vocab_size: the number of tokens.
-      hidden_size: the width (a multiple of ``num_heads``).
-      num_layers: decoder layers.
-      num_heads: attention heads (as many key/value heads).
-      max_positions: the longest sequence.
-      pad_token_id: padding's id (None: none).
-      bos_token_id: the start token's id (None: none).
-      eos_token_id: the end token's id (None: none).
-      seed: the seed of the initialization (None: the global generator's current state).
-
-    Returns:
-      The model, in training mode, float32.
-
-    Example:
-      >>> model = tiny_causal_lm(vocab_size=16, hidden_size=8, num_layers=1, num_heads=2)
-      >>> model(input_ids=torch.tensor([[3, 4, 5]])).logits.shape
-      torch.Size([1, 3, 16])
-    """
-    transformers = _transformers("tiny_causal_lm")
-    check_positive_int("vocab_size", vocab_size, allow_none=False)
-    check_positive_int("num_layers", num_layers, allow_none=False)
-    check_positive_int("num_heads", num_heads, allow_none=False)
-    if check_positive_int("hidden_size", hidden_size, allow_none=False) % num_heads:
-        raise ValueError(f"hidden_size={hidden_size} is not a multiple of num_heads={num_heads}")
-    config = transformers.LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        intermediate_size=2 * hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_heads,
-        max_position_embeddings=max_positions,
-        pad_token_id=pad_token_id,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-    )
-    if seed is not None:
-        torch.manual_seed(seed)
-    return transformers.LlamaForCausalLM(config)
-
-
-def word_tokenizer(
-    words: Sequence[str], *, pad: str = "<pad>", eos: str = "<eos>", unk: str = "<unk>"
-) -> Any:
-    """A whitespace word-level ``PreTrainedTokenizerFast`` over ``words``: nothing downloaded.
-
-    Ids: ``pad`` 0, ``eos`` 1, ``unk`` 2, then ``words`` in order (so it matches
-    :func:`tiny_causal_lm`'s default ``pad_token_id=0, eos_token_id=1``). Prompts are padded on
-    the left, as generation wants.
-
-    Args:
-      words: the vocabulary, without the three special tokens; no whitespace inside a word.
-      pad: the padding token.
-      eos: the end token.
-      unk: the token of unknown words.
-
-    Returns:
-      The tokenizer; ``len(tokenizer) == len(words) + 3``.
-
-    Example:
-      >>> tok = word_tokenizer(["a", "b", "c"])
-      >>> tok("a c b")["input_ids"]
-      [3, 5, 4]
-    """
-    _transformers("word_tokenizer")
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    vocab = [pad, eos, unk, *words]
-    if len(set(vocab)) != len(vocab) or any(not w or any(c.isspace() for c in w) for w in vocab):
-        raise ValueError(
-            f"words must be distinct non-empty strings without whitespace, other than the "
-            f"special tokens {pad!r}, {eos!r}, {unk!r}; got {list(words)!r}"
-        )
-    model = Tokenizer(models.WordLevel({w: i for i, w in enumerate(vocab)}, unk_token=unk))
-    model.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=model, pad_token=pad, eos_token=eos, unk_token=unk
-    )
-    tokenizer.padding_side = "left"
-    return tokenizer

@@ -5,8 +5,9 @@ the rest is tested against), the row statistics and the chunked engine, the Trit
 (:mod:`klest.logits.kernels`), then three front ends: :func:`kl_from_logits`,
 :func:`kl_from_hidden` (fused with the LM head) and :func:`kl_from_logits_vocab_parallel`
 (vocabulary shards over ``torch.distributed``); the generalized JSD, skew KL and total
-variation (:mod:`~klest.logits.divergences`); and :func:`token_log_probs`, the sampled
-tokens' log-probs from logits, memory-bounded.
+variation (:mod:`~klest.logits.divergences`); :func:`token_log_probs`, the sampled
+tokens' log-probs from logits, memory-bounded; and :func:`kl_from_topk`, the KL to a teacher
+known by its top-k log-probs (:mod:`~klest.logits.topk`).
 """
 
 # The public surface is one import per line (an isort merge would undo that).
@@ -24,16 +25,22 @@ from klest.logits.divergences import tv_from_logits
 from klest.logits.divergences import tv_from_hidden
 from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
 from klest.logits.sampled_log_probs import token_log_probs
+from klest.logits.topk import TopKDetails
+from klest.logits.topk import TopKEstimator
+from klest.logits.topk import kl_from_topk
 
 __all__ = [
     "KLRowStats",
     "LogitsDetails",
+    "TopKDetails",
+    "TopKEstimator",
     "categorical_kl",
     "jsd_from_hidden",
     "jsd_from_logits",
     "kl_from_hidden",
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
+    "kl_from_topk",
     "skew_kl_from_hidden",
     "skew_kl_from_logits",
     "token_log_probs",

@@ -34,18 +34,17 @@ import math
 import torch
 from torch import Tensor
 
-from klest.logits._rows import (
-    _chunks,
-    _label_logps,
-    _lse,
-    _put,
-    _put_rows,
-    _scaled,
-    _take,
-    _work_dtype,
-    row_flags,
-    zeroed_rows_buffer,
+from klest.logits._chunking import (
+    chunks,
+    label_logps,
+    lse,
+    put,
+    put_rows,
+    scaled,
+    take,
+    work_dtype,
 )
+from klest.logits._rows import row_flags, zeroed_rows_buffer
 from klest.logits._stats import Divergence
 from klest.logits.kernels import divergence_backward, divergence_forward, kl_logits_forward
 
@@ -102,8 +101,8 @@ def _through_softmax(prob: Tensor, g: Tensor) -> Tensor:
 
 
 def _log_probs(z: Tensor, y: Tensor, sel: slice | Tensor, inv_tau: float, dtype: torch.dtype):
-    a = _scaled(_take(z, sel), inv_tau, dtype)
-    b = _scaled(_take(y, sel), inv_tau, dtype)
+    a = scaled(take(z, sel), inv_tau, dtype)
+    b = scaled(take(y, sel), inv_tau, dtype)
     la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
     return a, b, la, lb
 
@@ -147,16 +146,16 @@ def divergence_rows(
              stats.lse_z, stats.lse_y, mix[1], mix[2])
         )  # fmt: skip
         return out
-    out = torch.zeros(len(ROW_OUTPUTS), n, dtype=_work_dtype(z), device=z.device)
-    for sel in _chunks(n, rows, chunk):
+    out = torch.zeros(len(ROW_OUTPUTS), n, dtype=work_dtype(z), device=z.device)
+    for sel in chunks(n, rows, chunk):
         a, b, la, lb = _log_probs(z, y, sel, inv_tau, out.dtype)
         q, p = la.exp(), lb.exp()
         value = _value(div, la, lb, q, p)
-        lab = None if labels is None else _take(labels, sel)
+        lab = None if labels is None else take(labels, sel)
         zeros = torch.zeros_like(value)
         entropy = -(q * _where_support(q, la)).sum(-1) if want_entropy else zeros
-        stats = (value, entropy, _label_logps(la, lab), _label_logps(lb, lab))
-        _put(out, sel, torch.stack((*stats, _lse(a, la), _lse(b, lb), zeros, zeros)))
+        stats = (value, entropy, label_logps(la, lab), label_logps(lb, lab))
+        put(out, sel, torch.stack((*stats, lse(a, la), lse(b, lb), zeros, zeros)))
     return out
 
 
@@ -193,13 +192,13 @@ def divergence_grads(
     dy = zeroed_rows_buffer(y, rows) if need_y else None
     if not (need_z or need_y):
         return dz, dy
-    dtype = _work_dtype(z)
-    for sel in _chunks(z.shape[0], rows, chunk):
+    dtype = work_dtype(z)
+    for sel in chunks(z.shape[0], rows, chunk):
         _, _, la, lb = _log_probs(z, y, sel, inv_tau, dtype)
         q, p = la.exp(), lb.exp()
         g_q, g_p = _prob_grads(div, la, lb, q, p)
-        scale = _take(grad, sel).to(dtype).unsqueeze(1) * inv_tau
+        scale = take(grad, sel).to(dtype).unsqueeze(1) * inv_tau
         for target, prob, g in ((dz, q, g_q), (dy, p, g_p)):
             if target is not None:
-                _put_rows(target, sel, _through_softmax(prob, g).mul_(scale))
+                put_rows(target, sel, _through_softmax(prob, g).mul_(scale))
     return dz, dy

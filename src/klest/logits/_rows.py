@@ -30,12 +30,22 @@ convention: a label ``< 0`` is ignored, a label ``>= V`` is a token of another v
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from klest.logits._chunking import (
+    chunks,
+    label_logps,
+    lse,
+    put,
+    put_rows,
+    scaled,
+    take,
+    work_dtype,
+)
 from klest.logits._stats import Grads, KLRowStats
 from klest.logits.kernels import kl_logits_backward, kl_logits_forward, triton_available
 
@@ -81,42 +91,6 @@ def chunk_rows(
 def workspace_bytes_per_row(v: int) -> int:
     """Float32 workspace of the PyTorch path per row of V entries."""
     return _BUFFERS_PER_ROW * 4 * v
-
-
-def _chunks(n: int, rows: Tensor | None, size: int) -> Iterator[slice | Tensor]:
-    """Row selections of at most ``size`` rows: slices of ``range(n)``, or pieces of ``rows``."""
-    size = max(size, 1)
-    if rows is None:
-        for s in range(0, n, size):
-            yield slice(s, min(s + size, n))
-    else:
-        yield from rows.split(size)
-
-
-def _take(x: Tensor, sel: slice | Tensor) -> Tensor:
-    return x[sel] if isinstance(sel, slice) else x.index_select(0, sel)
-
-
-def _scaled(x: Tensor, inv_tau: float, dtype: torch.dtype) -> Tensor:
-    """``x / tau`` in the compute dtype; a view of ``x`` when nothing changes (never written)."""
-    if inv_tau == 1.0:
-        return x.to(dtype)
-    return torch.mul(x.to(dtype), inv_tau) if x.dtype != dtype else torch.mul(x, inv_tau)
-
-
-def _lse(a: Tensor, la: Tensor) -> Tensor:
-    """``logsumexp(a)`` from ``la = log_softmax(a)``: ``max a - la[argmax]`` (no extra exp)."""
-    m, arg = a.max(-1, keepdim=True)
-    return (m - la.gather(1, arg)).view(-1)
-
-
-def _label_logps(la: Tensor, labels: Tensor | None) -> Tensor:
-    """``la[r, labels[r]]`` where the label is inside ``[0, V)``, else 0."""
-    if labels is None:
-        return la.new_zeros(la.shape[0])
-    inside = (labels >= 0) & (labels < la.shape[1])
-    col = torch.where(inside, labels, 0).unsqueeze(1)
-    return torch.where(inside, la.gather(1, col).view(-1), 0.0)
 
 
 @dataclass(frozen=True)
@@ -183,8 +157,8 @@ def _chunk_stats(
         lb = b - torch.where(torch.isfinite(lse_b), lse_b, 0.0).unsqueeze(1)
     else:
         la, lb = torch.log_softmax(a, -1), torch.log_softmax(b, -1)
-        lse_a, lse_b = _lse(a, la), _lse(b, lb)
-    logp_label, logp_ref_label = _label_logps(la, labels), _label_logps(lb, labels)
+        lse_a, lse_b = lse(a, la), lse(b, lb)
+    logp_label, logp_ref_label = label_logps(la, labels), label_logps(lb, labels)
     q = la.exp()
     p = lb.exp() if want.p else None
     zeros = torch.zeros_like(lse_a)
@@ -222,10 +196,6 @@ def _nonfinite_rows(stats: KLRowStats) -> Tensor:
     return ~torch.isfinite(sums).all(0)
 
 
-def _work_dtype(t: Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
 def _write_chunk_grad(
     target: Tensor,
     sel: slice | Tensor,
@@ -239,11 +209,11 @@ def _write_chunk_grad(
     """``target[sel] = grad / tau`` for one chunk: the fast rows' gradient, with the rows redone
     on the masked path (``slow_rows`` of the chunk) overwritten by ``slow``'s. Written straight
     into ``target`` when the selection is a slice of the work dtype."""
-    direct = isinstance(sel, slice) and target.dtype == _work_dtype(target)
+    direct = isinstance(sel, slice) and target.dtype == work_dtype(target)
     out = (
         target[sel]
         if direct
-        else torch.empty(fast.q.shape, dtype=_work_dtype(target), device=target.device)
+        else torch.empty(fast.q.shape, dtype=work_dtype(target), device=target.device)
     )
     grad(fast, direction, out)
     if slow is not None:
@@ -254,7 +224,7 @@ def _write_chunk_grad(
     if inv_tau != 1.0:
         out.mul_(inv_tau)
     if not direct:
-        _put_rows(target, sel, out)
+        put_rows(target, sel, out)
 
 
 def row_stats(
@@ -300,14 +270,14 @@ def row_stats(
         )
         return stats  # float32 rows of the kernel's own [7, N] buffer, as they are
 
-    out = torch.zeros(7, n, dtype=_work_dtype(z), device=z.device)
+    out = torch.zeros(7, n, dtype=work_dtype(z), device=z.device)
     kl_ba = want_kl_ref_pi or stash == "ref||pi"
     needs = _ChunkNeeds(p=kl_ba or stash_y is not None, kl_ba=kl_ba, entropy=want_entropy)
     dtype = out.dtype
-    for sel in _chunks(n, rows, chunk):
-        a = _scaled(_take(z, sel), inv_tau, dtype)
-        b = _scaled(_take(y, sel), inv_tau, dtype)
-        lab = None if labels is None else _take(labels, sel)
+    for sel in chunks(n, rows, chunk):
+        a = scaled(take(z, sel), inv_tau, dtype)
+        b = scaled(take(y, sel), inv_tau, dtype)
+        lab = None if labels is None else take(labels, sel)
         fast = _chunk_stats(a, b, lab, needs, masked=False)
         bad = _nonfinite_rows(fast.stats)
         slow = slow_rows = None
@@ -317,7 +287,7 @@ def row_stats(
             sub_lab = None if lab is None else lab[slow_rows]
             slow = _chunk_stats(a[slow_rows], b[slow_rows], sub_lab, needs, masked=True)
             stats = stats.index_copy(1, slow_rows, torch.stack(slow.stats))
-        _put(out, sel, stats)
+        put(out, sel, stats)
         if not stash:
             continue
         for target, grad in ((stash_z, _Chunk.grad_a), (stash_y, _Chunk.grad_b)):
@@ -326,22 +296,8 @@ def row_stats(
     return KLRowStats(*out.unbind(0))
 
 
-def _put(out: Tensor, sel: slice | Tensor, values: Tensor) -> None:
-    if isinstance(sel, slice):
-        out[:, sel] = values
-    else:
-        out.index_copy_(1, sel, values)
-
-
-def _put_rows(target: Tensor, sel: slice | Tensor, values: Tensor) -> None:
-    if isinstance(sel, slice):
-        target[sel] = values
-    else:
-        target.index_copy_(0, sel, values.to(target.dtype))
-
-
 def _row_col(g: Tensor | None, sel: slice | Tensor) -> Tensor | None:
-    return None if g is None else _take(g, sel).unsqueeze(1)
+    return None if g is None else take(g, sel).unsqueeze(1)
 
 
 def _grads_chunk(
@@ -443,10 +399,10 @@ def row_grads(
     dy = zeroed_rows_buffer(y, rows) if need_y else None
     if not (need_z or need_y):
         return dz, dy
-    for sel in _chunks(n, rows, chunk):
-        a = _scaled(_take(z, sel), inv_tau, dtype)
-        b = _scaled(_take(y, sel), inv_tau, dtype)
-        lab = None if labels is None else _take(labels, sel)
+    for sel in chunks(n, rows, chunk):
+        a = scaled(take(z, sel), inv_tau, dtype)
+        b = scaled(take(y, sel), inv_tau, dtype)
+        lab = None if labels is None else take(labels, sel)
         da, db = _grads_chunk(
             a,
             b,
@@ -458,7 +414,7 @@ def row_grads(
         )
         for target, val in ((dz, da), (dy, db)):
             if target is not None and val is not None:
-                _put_rows(target, sel, val.mul_(inv_tau))
+                put_rows(target, sel, val.mul_(inv_tau))
     return dz, dy
 
 

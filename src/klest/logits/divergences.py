@@ -56,6 +56,15 @@ from klest.logits._rows import chunk_rows, resolve_backend
 from klest.logits.from_hidden import kl_from_hidden, run_hidden
 from klest.logits.from_logits import kl_from_logits, logits_positions
 
+__all__ = [
+    "jsd_from_hidden",
+    "jsd_from_logits",
+    "skew_kl_from_hidden",
+    "skew_kl_from_logits",
+    "tv_from_hidden",
+    "tv_from_logits",
+]
+
 _OPTIONS = (
     "mask",
     "reduction",

@@ -51,6 +51,8 @@ from klest.logits._rows import (
 )
 from klest.logits._stats import Grads, KLRowStats
 
+__all__ = ["HiddenRowPlan", "kl_from_hidden", "run_hidden"]
+
 
 class HiddenRowPlan(Protocol):
     """What the fused Function computes on each chunk of rows' logits ``z_c``, ``y_c``.

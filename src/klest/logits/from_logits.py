@@ -55,6 +55,8 @@ from klest.logits._call import (
 from klest.logits._rows import row_flags, row_grads, row_stats, zeroed_rows_buffer
 from klest.logits._stats import Grads, KLRowStats
 
+__all__ = ["kl_from_logits", "logits_positions", "position_kls", "rows_kl"]
+
 
 class _RowsKL(torch.autograd.Function):
     """``(z [N, V], y [N, V]) -> five float [N] outputs`` (see ``_OUTPUTS``)."""

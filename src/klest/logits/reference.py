@@ -22,6 +22,8 @@ from klest._checks import (
 from klest._types import DEFAULT_REDUCTION, Direction, Reduction
 from klest.aggregation import aggregate
 
+__all__ = ["categorical_kl"]
+
 
 def _plogq_diff(logq: Tensor, logp: Tensor) -> Tensor:
     """Sum over the last dim of ``q (log q - log p)`` with ``0 log 0 = 0``."""

@@ -36,6 +36,8 @@ from klest._checks import (
 )
 from klest.logits._rows import chunk_rows
 
+__all__ = ["token_log_probs"]
+
 # Float buffers of V entries that one position of a block holds at once (scaled logits, softmax).
 _BUFFERS_PER_POSITION = 2
 

@@ -83,9 +83,11 @@ from klest._checks import (
 from klest._numerics import exp_tail, xexp_tail
 from klest._types import DEFAULT_REDUCTION, Direction, Reduction
 from klest.aggregation import KLDiagnostics, WithDetails, as_rows, diagnostics, reduce_rows
-from klest.logits._call import positions
+from klest.logits._call import Positions, positions
 from klest.logits._rows import chunk_rows
 from klest.surrogates import join
+
+__all__ = ["SAMPLED", "TopKDetails", "TopKEstimator", "kl_from_topk"]
 
 TopKEstimator = Literal["unbiased", "unbiased-cv", "tail-bucket", "truncated", "truncated-raw"]
 """The estimators of :func:`kl_from_topk`."""
@@ -340,6 +342,100 @@ def kl_from_topk(
       >>> bool(bound <= klest.kl_from_logits(z, teacher))  # a lower bound, always
       True
     """
+    inp = _check_topk_inputs(
+        logits,
+        topk_indices,
+        topk_logp,
+        labels=labels,
+        logp_ref_label=logp_ref_label,
+        estimator=estimator,
+        direction=direction,
+        mask=mask,
+        reduction=reduction,
+        temperature=temperature,
+        ignore_index=ignore_index,
+        validate=validate,
+        details=return_details,
+    )
+    raw, lr_set = _student_terms(logits, inp, memory_budget)
+    inp.checks.run()
+    with torch.no_grad():
+        value, _ = _values(raw, raw, estimator, direction)
+    safe = raw.finite()
+    surrogate, g = _values(safe, raw, estimator, direction)
+    if g is not None:
+        surrogate = surrogate + g.detach() * safe.a_y
+    surrogate = torch.where(torch.isfinite(value), surrogate, 0.0)
+    per_row = join(value, surrogate)
+
+    lead, rows, n_all = inp.lead, inp.rows, inp.lead.numel()
+    flat = torch.zeros(n_all, dtype=inp.dtype, device=logits.device).index_copy(0, rows, per_row)
+    values = as_rows(flat.reshape(lead))
+    valid = None if inp.pos.keep is None else as_rows(inp.pos.keep)
+    result = reduce_rows(values, valid, reduction, lead)
+    if not return_details:
+        return result
+    with torch.no_grad():
+
+        def spread(x: Tensor) -> Tensor:
+            return torch.zeros(n_all, dtype=x.dtype, device=logits.device).index_copy(0, rows, x)
+
+        details = TopKDetails(
+            teacher_mass=spread(lr_set.exp()).reshape(lead),
+            student_mass=spread(torch.logsumexp(raw.a.detach(), -1).exp()).reshape(lead),
+            overlap=spread(torch.minimum(raw.a.detach().exp(), raw.b.exp()).sum(-1)).reshape(lead),
+            in_set=spread(~raw.out).reshape(lead) if inp.sampled else None,
+            diagnostics=diagnostics(values, valid, reduction=reduction),
+        )
+    return WithDetails(result, details)
+
+
+@dataclass(frozen=True)
+class _TopKInputs:
+    """The arguments of :func:`kl_from_topk`, checked, on ``N = prod(lead)`` flat rows.
+
+    ``checks`` holds the value checks not yet run (with the student's, they run at once: one
+    host synchronisation). ``rows`` are the indices of the kept rows ``[n]`` and ``keep`` their
+    flags ``[N]``; ``idx`` the teacher's top-k ids ``[N, k]`` (int64, ids out of range replaced by
+    0), ``logp_top`` its log-probs ``[N, k]`` and ``log_mass`` their logsumexp ``[N]`` (in the
+    work dtype, 0 on rows not kept); ``logp_ref_label`` the teacher's log-prob of the sampled
+    token on the kept rows ``[n]`` (None for the estimators that do not read it).
+    """
+
+    lead: torch.Size
+    v: int
+    k: int
+    dtype: torch.dtype
+    inv_tau: float
+    sampled: bool
+    pos: Positions
+    rows: Tensor
+    keep: Tensor
+    idx: Tensor
+    logp_top: Tensor
+    log_mass: Tensor
+    logp_ref_label: Tensor | None
+    checks: ValueChecks
+
+
+def _check_topk_inputs(
+    logits: Tensor,
+    topk_indices: Tensor,
+    topk_logp: Tensor,
+    *,
+    labels: Tensor | None,
+    logp_ref_label: Tensor | None,
+    estimator: str,
+    direction: str,
+    mask: Tensor | None,
+    reduction: str,
+    temperature: float,
+    ignore_index: int,
+    validate: bool | None,
+    details: bool,
+) -> _TopKInputs:
+    """:func:`kl_from_topk`'s argument checks: types, shapes and names raise here; the value
+    checks are queued in the returned ``checks``."""
     check_float_tensor("logits", logits, what="logits")
     if logits.dim() < 1 or logits.shape[-1] == 0:
         raise ValueError(f"logits must be [..., V] with V >= 1, got shape {tuple(logits.shape)}")
@@ -374,7 +470,7 @@ def kl_from_topk(
         labels=labels,
         vocab_size=v,
         ignore_index=ignore_index,
-        details=return_details,
+        details=details,
         checks=checks,
     )
     n_all = lead.numel()
@@ -439,16 +535,41 @@ def kl_from_topk(
             rounding_of=logp_ref_label.dtype,
         )
         b_y = b_y_all[rows]
+    return _TopKInputs(
+        lead=lead,
+        v=v,
+        k=k,
+        dtype=dtype,
+        inv_tau=inv_tau,
+        sampled=sampled,
+        pos=pos,
+        rows=rows,
+        keep=keep,
+        idx=idx2,
+        logp_top=b_all,
+        log_mass=log_mass,
+        logp_ref_label=b_y,
+        checks=checks,
+    )
 
-    # -- the student, on the kept rows -----------------------------------------------------
+
+def _student_terms(
+    logits: Tensor, inp: _TopKInputs, memory_budget: int | None
+) -> tuple[_Terms, Tensor]:
+    """The terms of :func:`_values` on the kept rows (raw: ``-inf`` kept), from the student's
+    log-probs (read in chunks of rows, ``memory_budget`` bytes) and the checked teacher's, and
+    the teacher's top-k log mass clamped at 0 ``[n]``. The checks of the student's values are
+    queued in ``inp.checks``."""
+    v, k, device, rows, keep = inp.v, inp.k, logits.device, inp.rows, inp.keep
+    checks, sampled, b_y = inp.checks, inp.sampled, inp.logp_ref_label
     z2 = logits.reshape(-1, v)
-    s_idx = idx2[rows]
+    s_idx = inp.idx[rows]
     chunk = chunk_rows(_BUFFERS_PER_ROW * 4 * v, device, memory_budget, None)
     ids = s_idx
     if sampled:
-        y = torch.where(keep, pos.labels, 0).clamp(0, v - 1)[rows]
+        y = torch.where(keep, inp.pos.labels, 0).clamp(0, v - 1)[rows]
         ids = torch.cat([s_idx, y[:, None]], -1)
-    picked, log_tail, lse = _StudentLogProbs.apply(z2, rows, ids, k, inv_tau, chunk)
+    picked, log_tail, lse = _StudentLogProbs.apply(z2, rows, ids, k, inp.inv_tau, chunk)
     a = picked[:, :k]
     checks.add(
         ~torch.isfinite(lse),
@@ -457,8 +578,8 @@ def kl_from_topk(
             "every entry -inf (no distribution); mask them out"
         ),
     )
-    b = b_all[rows]
-    lr_set = log_mass[rows].clamp(max=0.0)
+    b = inp.logp_top[rows]
+    lr_set = inp.log_mass[rows].clamp(max=0.0)
     if sampled:
         a_y = picked[:, k]
         checks.add(
@@ -477,33 +598,4 @@ def kl_from_topk(
         tail_r = -torch.expm1(lr_set)
     if v == k:
         tail_r = torch.zeros_like(tail_r)  # no tail at all: R's rounding is not mass
-    checks.run()
-    raw = _Terms(a, b, a_y, b_y, log_tail, tail_r.log(), out)
-    with torch.no_grad():
-        value, _ = _values(raw, raw, estimator, direction)
-    safe = raw.finite()
-    surrogate, g = _values(safe, raw, estimator, direction)
-    if g is not None:
-        surrogate = surrogate + g.detach() * safe.a_y
-    surrogate = torch.where(torch.isfinite(value), surrogate, 0.0)
-    per_row = join(value, surrogate)
-
-    flat = torch.zeros(n_all, dtype=dtype, device=device).index_copy(0, rows, per_row)
-    values = as_rows(flat.reshape(lead))
-    valid = None if pos.keep is None else as_rows(pos.keep)
-    result = reduce_rows(values, valid, reduction, lead)
-    if not return_details:
-        return result
-    with torch.no_grad():
-
-        def spread(x: Tensor) -> Tensor:
-            return torch.zeros(n_all, dtype=x.dtype, device=device).index_copy(0, rows, x)
-
-        details = TopKDetails(
-            teacher_mass=spread(lr_set.exp()).reshape(lead),
-            student_mass=spread(torch.logsumexp(a.detach(), -1).exp()).reshape(lead),
-            overlap=spread(torch.minimum(a.detach().exp(), b.exp()).sum(-1)).reshape(lead),
-            in_set=spread(~out).reshape(lead) if sampled else None,
-            diagnostics=diagnostics(values, valid, reduction=reduction),
-        )
-    return WithDetails(result, details)
+    return _Terms(a, b, a_y, b_y, log_tail, tail_r.log(), out), lr_set

@@ -34,6 +34,8 @@ from klest.logits._call import LogitsDetails, finish, plan_for, positions
 from klest.logits._stats import KLRowStats
 from klest.logits.from_logits import rows_kl
 
+__all__ = ["kl_from_logits_vocab_parallel"]
+
 
 def _shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[int, int]:
     """``(offset of this rank's shard, total V)``, checking every rank has ``n`` rows."""

@@ -12,8 +12,13 @@ derive from :class:`SampledTestbed`.
 - :class:`OffPolicyTestbed`: samples from a behavior policy, answers of a target pair.
 - :class:`ScoreFunctionGaussian`: Gaussians with non-reparameterized samples.
 - :class:`GaussianMixtureTarget`: a fixed 1-D Gaussian mixture, KLs to a Gaussian by quadrature.
+
+:func:`tiny_causal_lm` and :func:`word_tokenizer` build a small ``transformers`` causal LM and a
+tokenizer from a config (nothing downloaded), for :meth:`LanguageModelTestbed.tiny`, tests and
+examples.
 """
 
+from klest.testbeds._tiny_lm import tiny_causal_lm, word_tokenizer
 from klest.testbeds.autoregressive import TabularAutoregressive
 from klest.testbeds.base import Sample, SampledTestbed, Testbed, make_generator
 from klest.testbeds.categorical import CategoricalTestbed
@@ -34,4 +39,6 @@ __all__ = [
     "TabularAutoregressive",
     "Testbed",
     "make_generator",
+    "tiny_causal_lm",
+    "word_tokenizer",
 ]

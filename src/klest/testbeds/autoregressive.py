@@ -40,7 +40,10 @@ from torch import Tensor
 from klest._checks import check_direction
 from klest.testbeds.base import Sample, SampledTestbed
 
-_MAX_ENUMERATED = 2_000_000
+__all__ = ["MAX_ENUMERATED", "TabularAutoregressive", "TokenLocalKL"]
+
+MAX_ENUMERATED = 2_000_000
+"""The most sequences (``V^T``) a testbed enumerates for its exact answers."""
 
 
 def _identity(x: Tensor) -> Tensor:
@@ -208,9 +211,9 @@ class TabularAutoregressive(SampledTestbed):
     def all_sequences(self) -> tuple[Tensor, Tensor | None]:
         """Every distinct sequence ``[S, T]`` (padded with eos after the first eos) and its mask."""
         count = self.vocab_size**self.horizon
-        if count > _MAX_ENUMERATED:
+        if count > MAX_ENUMERATED:
             raise ValueError(
-                f"V^T = {count} sequences is too many to enumerate (limit {_MAX_ENUMERATED}); "
+                f"V^T = {count} sequences is too many to enumerate (limit {MAX_ENUMERATED}); "
                 "use a markov=True testbed, whose exact values use dynamic programming"
             )
         tokens = torch.tensor(

@@ -17,6 +17,8 @@ from torch import Tensor
 
 from klest._checks import check_direction
 
+__all__ = ["Sample", "SampledTestbed", "Testbed", "make_generator"]
+
 
 @dataclass
 class Sample:

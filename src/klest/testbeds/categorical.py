@@ -18,6 +18,8 @@ from klest._checks import check_direction
 from klest.logits.reference import categorical_kl
 from klest.testbeds.base import Sample, SampledTestbed
 
+__all__ = ["CategoricalTestbed"]
+
 
 class CategoricalTestbed(SampledTestbed):
     """pi = softmax(logits) against ref = softmax(logits_ref), both ``[K]``.

@@ -22,6 +22,8 @@ from torch import Tensor
 from klest._checks import check_direction
 from klest.testbeds.base import Sample, Testbed
 
+__all__ = ["GaussianTestbed", "gaussian_log_density"]
+
 _LOG_SQRT_2PI = 0.5 * math.log(2 * math.pi)
 
 

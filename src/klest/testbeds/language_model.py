@@ -38,8 +38,11 @@ import torch
 from torch import Tensor
 
 from klest._checks import check_direction, check_positive_int
-from klest.testbeds.autoregressive import _MAX_ENUMERATED, TabularAutoregressive
+from klest.testbeds._tiny_lm import tiny_causal_lm
+from klest.testbeds.autoregressive import MAX_ENUMERATED, TabularAutoregressive
 from klest.testbeds.base import Sample
+
+__all__ = ["LanguageModelTestbed"]
 
 
 def _logits_of(model: Any, input_ids: Tensor, what: str) -> Tensor:
@@ -134,10 +137,10 @@ class LanguageModelTestbed(TabularAutoregressive):
             )
         if isinstance(eos, bool) or not isinstance(eos, int) or not 0 <= eos < v:
             raise ValueError(f"eos must be a token id in [0, {v}), got {eos}")
-        if v**horizon > _MAX_ENUMERATED:
+        if v**horizon > MAX_ENUMERATED:
             raise ValueError(
                 f"V={v}, horizon={horizon}: {v**horizon} sequences is too many to enumerate "
-                f"(limit {_MAX_ENUMERATED}); use a smaller vocabulary or horizon"
+                f"(limit {MAX_ENUMERATED}); use a smaller vocabulary or horizon"
             )
         if int(ids.min()) < 0 or int(ids.max()) >= v:
             raise ValueError(f"prompt must hold token ids in [0, {v}), got {ids.tolist()}")
@@ -196,8 +199,6 @@ class LanguageModelTestbed(TabularAutoregressive):
           >>> float(tb.exact_kl("pi||ref"))  # pi = ref
           0.0
         """
-        from klest.integrations.hf import tiny_causal_lm
-
         kwargs = dict(
             vocab_size=vocab_size,
             hidden_size=hidden_size,

@@ -25,6 +25,8 @@ from torch import Tensor
 
 from klest.testbeds.gaussian import gaussian_log_density
 
+__all__ = ["GaussianMixtureTarget"]
+
 
 class GaussianMixtureTarget:
     """An equal-weight mixture of 1-D Gaussians with a shared standard deviation (float64).

@@ -10,6 +10,8 @@ from torch import Tensor
 from klest.testbeds.base import Sample, SampledTestbed, Testbed
 from klest.testbeds.gaussian import GaussianTestbed
 
+__all__ = ["OffPolicyTestbed", "ScoreFunctionGaussian"]
+
 
 class OffPolicyTestbed(Testbed):
     """Samples drawn from ``behavior``, scored under ``target``'s pi and ref.

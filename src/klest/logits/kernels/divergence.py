@@ -25,22 +25,24 @@ from torch import Tensor
 
 from klest._checks import check_row_vector, check_temperature
 from klest.logits._stats import Divergence
-from klest.logits.kernels.kl_logits import (
-    _MAX_GRID_Y,
-    _block_v,
-    _cdiv,
-    _check_device,
-    _check_keep,
-    _check_logits,
-    _num_warps,
-    _triton_importable,
+from klest.logits.kernels._launch import (
+    MAX_GRID_Y,
+    cdiv,
+    check_device,
+    check_keep,
+    check_logits,
+    resolve_block_v,
+    resolve_num_warps,
+    triton_importable,
 )
+
+__all__ = ["divergence_backward", "divergence_forward"]
 
 _KINDS = {"mixture": 0, "tv": 1}
 
 
 def _divergence_kernels():
-    if not _triton_importable():
+    if not triton_importable():
         raise RuntimeError("klest.logits.kernels needs triton, which is not installed")
     from klest.logits.kernels import _divergence_triton
 
@@ -92,21 +94,21 @@ def divergence_forward(
       >>> if triton_available():  # CUDA, or TRITON_INTERPRET=1
       ...     out = divergence_forward(z, y, z.logsumexp(-1), y.logsumexp(-1), Divergence("tv"))
     """
-    z, y = _check_logits(z, y)
+    z, y = check_logits(z, y)
     tau = check_temperature(temperature)
     n, v = z.shape
     lse_z = check_row_vector("lse_z", lse_z, n, z.device)
     lse_y = check_row_vector("lse_y", lse_y, n, z.device)
-    keep = _check_keep(keep, n, z.device)
+    keep = check_keep(keep, n, z.device)
     consts = _constants(div)
-    bv = _block_v(block_v, v)
+    bv = resolve_block_v(block_v, v)
     out = torch.zeros(3, n, dtype=torch.float32, device=z.device)
     if n > 0:
-        _check_device(z)
+        check_device(z)
         _divergence_kernels().divergence_fwd_kernel[(n,)](
             z, y, lse_z, lse_y, out, z.stride(0), y.stride(0), n, v, 1.0 / tau,
             **consts, keep_ptr=out if keep is None else keep, HAS_KEEP=keep is not None,
-            BLOCK_V=bv, num_warps=_num_warps(num_warps, bv),
+            BLOCK_V=bv, num_warps=resolve_num_warps(num_warps, bv),
         )  # fmt: skip
     return out
 
@@ -159,7 +161,7 @@ def divergence_backward(
       ...     value, s_q, s_p = divergence_forward(z, y, *lse, div)
       ...     dz, _ = divergence_backward(z, y, *lse, s_q, s_p, torch.ones(2), div)
     """
-    z, y = _check_logits(z, y)
+    z, y = check_logits(z, y)
     tau = check_temperature(temperature)
     n, v = z.shape
     dev = z.device
@@ -168,17 +170,17 @@ def divergence_backward(
         for name, t in (("lse_z", lse_z), ("lse_y", lse_y), ("s_q", s_q), ("s_p", s_p))
     ]
     grad = check_row_vector("grad", grad, n, dev)
-    keep = _check_keep(keep, n, dev)
+    keep = check_keep(keep, n, dev)
     consts = _constants(div)
-    bv = _block_v(block_v, v)
-    if _cdiv(v, bv) > _MAX_GRID_Y:
-        raise ValueError(f"V = {v} needs more than {_MAX_GRID_Y} blocks of {bv}; raise block_v")
+    bv = resolve_block_v(block_v, v)
+    if cdiv(v, bv) > MAX_GRID_Y:
+        raise ValueError(f"V = {v} needs more than {MAX_GRID_Y} blocks of {bv}; raise block_v")
     dz = torch.empty_like(z, memory_format=torch.contiguous_format) if need_grad_z else None
     dy = torch.empty_like(y, memory_format=torch.contiguous_format) if need_grad_y else None
     if n > 0 and (need_grad_z or need_grad_y):
-        _check_device(z)
+        check_device(z)
         dummy = rows[0]
-        _divergence_kernels().divergence_bwd_kernel[(n, _cdiv(v, bv))](
+        _divergence_kernels().divergence_bwd_kernel[(n, cdiv(v, bv))](
             z, y, *rows, grad,
             dummy if dz is None else dz,
             dummy if dy is None else dy,
@@ -187,6 +189,6 @@ def divergence_backward(
             v if dy is None else dy.stride(0),
             v, 1.0 / tau, **consts, keep_ptr=dummy if keep is None else keep,
             NEED_DZ=bool(need_grad_z), NEED_DY=bool(need_grad_y), HAS_KEEP=keep is not None,
-            BLOCK_V=bv, num_warps=_num_warps(num_warps, bv),
+            BLOCK_V=bv, num_warps=resolve_num_warps(num_warps, bv),
         )  # fmt: skip
     return dz, dy

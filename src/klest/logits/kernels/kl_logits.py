@@ -36,57 +36,37 @@ one distribution where the other has none makes that KL ``+inf`` (never NaN).
 
 from __future__ import annotations
 
-import functools
 import math
-import os
 from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from klest._checks import (
-    check_int_ids,
-    check_logits_pair,
-    check_row_vector,
-    check_temperature,
-)
+from klest._checks import check_int_ids, check_row_vector, check_temperature
 from klest.logits._stats import KLRowStats
-
-_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_KERNEL_WHAT = (
-    "the kernels compute in float32; for float64 use kl_from_logits(..., backend='torch')"
+from klest.logits.kernels._launch import (
+    MAX_GRID_Y,
+    cdiv,
+    check_device,
+    check_keep,
+    check_logits,
+    interpreting,
+    resolve_block_v,
+    resolve_num_warps,
+    triton_importable,
 )
-_MIN_BLOCK_V = 16
-_MAX_BLOCK_V = 65536
-# Default vocabulary block, with _num_warps(None, 1024) = 4 warps: 8 elements per thread per tensor.
-# Measured on an H200 (benchmarks/gpu_tune.py, N=16384, V=128256 bf16): the backward runs at 94-95%
-# of its 3-pass roofline for blocks 1024-4096 with 2-8 warps; the forward is fastest at 1024 with
-# 4 warps (benchmarks/README.md has the numbers).
-_DEFAULT_MAX_BLOCK_V = 1024
-_MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (the backward's vocabulary blocks)
 
-
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0").strip().lower() in ("1", "true", "yes", "on")
-
-
-@functools.cache
-def _triton_importable() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+__all__ = ["kl_logits_backward", "kl_logits_forward", "triton_available"]
 
 
 def triton_available() -> bool:
     """Whether the Triton kernels can run here: triton imports, and CUDA is available or
     ``TRITON_INTERPRET=1`` (triton's CPU interpreter, for tests)."""
-    return _triton_importable() and (torch.cuda.is_available() or _interpreting())
+    return triton_importable() and (torch.cuda.is_available() or interpreting())
 
 
 def _kernels() -> ModuleType:
-    if not _triton_importable():
+    if not triton_importable():
         raise RuntimeError(
             "klest.logits.kernels needs triton, which is not installed; use "
             "kl_from_logits(..., backend='torch')"
@@ -96,79 +76,11 @@ def _kernels() -> ModuleType:
     return _kl_logits_triton
 
 
-def _check_device(z: Tensor) -> None:
-    if z.device.type == "cuda":
-        return
-    if not _interpreting():
-        raise RuntimeError(
-            f"the Triton KL kernels run on CUDA tensors, got a tensor on {z.device} "
-            "(set TRITON_INTERPRET=1 before triton is imported to run them on CPU, slowly)"
-        )
-
-
-def _check_logits(z: object, y: object) -> tuple[Tensor, Tensor]:
-    z, y = check_logits_pair(
-        z, y, names=("z", "y"), dtypes=_KERNEL_DTYPES, matrix=True, what=_KERNEL_WHAT
-    )
-    # The kernels index rows by a stride and columns contiguously.
-    return (z if z.stride(1) == 1 else z.contiguous()), (y if y.stride(1) == 1 else y.contiguous())
-
-
 def _check_labels(labels: object, n: int, device: torch.device) -> Tensor | None:
     if labels is None:
         return None
     labels = check_int_ids("labels", labels, torch.Size((n,)), device, of="the rows of z")
     return labels.to(torch.int64).contiguous()
-
-
-def _check_keep(keep: object, n: int, device: torch.device) -> Tensor | None:
-    """``keep`` as contiguous bytes (a bool is the byte 0 or 1), or None."""
-    if keep is None:
-        return None
-    if not isinstance(keep, Tensor) or keep.dtype != torch.bool:
-        raise TypeError(f"keep must be a bool tensor, got {getattr(keep, 'dtype', type(keep))}")
-    if keep.shape != (n,) or keep.device != device:
-        raise ValueError(
-            f"keep must have shape ({n},) on {device} (one flag per row of z), got "
-            f"{tuple(keep.shape)} on {keep.device}"
-        )
-    return keep.contiguous().view(torch.uint8)
-
-
-def _block_v(block_v: object, v: int) -> int:
-    """The vocabulary block: the given power of two, else ``min(1024, next_pow2(V))``."""
-    if block_v is None:
-        return max(_MIN_BLOCK_V, min(_DEFAULT_MAX_BLOCK_V, 1 << (v - 1).bit_length()))
-    if (
-        isinstance(block_v, bool)
-        or not isinstance(block_v, int)
-        or block_v < _MIN_BLOCK_V
-        or block_v > _MAX_BLOCK_V
-        or block_v & (block_v - 1)
-    ):
-        raise ValueError(
-            f"block_v must be a power of two in [{_MIN_BLOCK_V}, {_MAX_BLOCK_V}], got {block_v!r}"
-        )
-    return block_v
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _num_warps(num_warps: object, block_v: int) -> int:
-    """The given power of two in [1, 32], else about 8 elements per thread per tensor (one
-    16-byte load of bf16): ``block_v / 256`` warps, 1 to 16."""
-    if num_warps is None:
-        return max(1, min(16, block_v // 256))
-    if (
-        isinstance(num_warps, bool)
-        or not isinstance(num_warps, int)
-        or not 1 <= num_warps <= 32
-        or num_warps & (num_warps - 1)
-    ):
-        raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps!r}")
-    return num_warps
 
 
 def kl_logits_forward(
@@ -231,12 +143,12 @@ def kl_logits_forward(
       give KLs of exactly 0.
       Rows with NaN / ``+inf`` logits, or entirely ``-inf``, are the caller's to reject (NaN).
     """
-    z, y = _check_logits(z, y)
+    z, y = check_logits(z, y)
     tau = check_temperature(temperature)
     n, v = z.shape
     labels = _check_labels(labels, n, z.device)
-    bv = _block_v(block_v, v)
-    warps = _num_warps(num_warps, bv)
+    bv = resolve_block_v(block_v, v)
+    warps = resolve_num_warps(num_warps, bv)
     if careful_rows is not None and not (
         isinstance(careful_rows, Tensor)
         and careful_rows.dtype == torch.int32
@@ -247,12 +159,12 @@ def kl_logits_forward(
         raise TypeError(
             f"careful_rows must be a contiguous int32 tensor of shape ({n},) on {z.device}"
         )
-    keep = _check_keep(keep, n, z.device)
+    keep = check_keep(keep, n, z.device)
     out = torch.empty(7, n, dtype=torch.float32, device=z.device)
     if labels is None:
         out[5:].zero_()
     if n > 0:
-        _check_device(z)
+        check_device(z)
         _kernels().kl_logits_fwd_kernel[(n,)](
             z,
             y,
@@ -335,13 +247,13 @@ def kl_logits_backward(
       ``(dz, dy)``: contiguous ``[N, V]`` tensors in ``z``'s and ``y``'s dtypes (zeros where no
       term reaches them), or None where not needed.
     """
-    z, y = _check_logits(z, y)
+    z, y = check_logits(z, y)
     tau = check_temperature(temperature)
     n, v = z.shape
     dev = z.device
     labels = _check_labels(labels, n, dev)
-    bv = _block_v(block_v, v)
-    warps = _num_warps(num_warps, bv)
+    bv = resolve_block_v(block_v, v)
+    warps = resolve_num_warps(num_warps, bv)
     if not isinstance(stats, tuple) or len(stats) != len(KLRowStats._fields):
         raise TypeError("stats must be the KLRowStats returned by kl_logits_forward")
     stats = KLRowStats(*stats)
@@ -363,24 +275,24 @@ def kl_logits_backward(
         for nm, t in zip(names, given, strict=True)
     ]
     g1, g2, g3, g4, g5 = g
-    keep = _check_keep(keep, n, dev)
+    keep = check_keep(keep, n, dev)
     if labels is None and (g4 is not None or g5 is not None):
         raise ValueError("grad_logp_label / grad_logp_ref_label need the labels they refer to")
 
     run_dz = bool(need_grad_z) and any(t is not None for t in (g1, g2, g3, g4))
     run_dy = bool(need_grad_y) and any(t is not None for t in (g1, g2, g5))
     both_sides = g1 is not None or g2 is not None
-    if _cdiv(v, bv) > _MAX_GRID_Y:
+    if cdiv(v, bv) > MAX_GRID_Y:
         raise ValueError(
-            f"V = {v} needs {_cdiv(v, bv)} blocks of block_v = {bv}, over the grid limit "
-            f"{_MAX_GRID_Y}; use a larger block_v"
+            f"V = {v} needs {cdiv(v, bv)} blocks of block_v = {bv}, over the grid limit "
+            f"{MAX_GRID_Y}; use a larger block_v"
         )
     dz = torch.empty_like(z, memory_format=torch.contiguous_format) if run_dz else None
     dy = torch.empty_like(y, memory_format=torch.contiguous_format) if run_dy else None
     if n > 0 and (run_dz or run_dy):
-        _check_device(z)
+        check_device(z)
         dummy = lse_z
-        _kernels().kl_logits_bwd_kernel[(n, _cdiv(v, bv))](
+        _kernels().kl_logits_bwd_kernel[(n, cdiv(v, bv))](
             z,
             y,
             dummy if labels is None else labels,

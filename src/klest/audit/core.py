@@ -13,8 +13,7 @@ applying the estimator to each, and comparing the draws with the exact KL:
 A *draw* is whatever the estimator returns per batch: a scalar (the batch estimate) or one
 value per independent row (per-sample estimates; e.g. Schulman's table uses batch_size rows).
 
-:func:`run_audit_suite` is the library's audit plan (what ``klest audit`` prints): every value
-estimator on every testbed, and every gradient estimator on a tabular autoregressive policy.
+The library's own audit plan, built on these primitives, is :mod:`klest.audit.suite`.
 """
 
 from __future__ import annotations
@@ -41,10 +40,24 @@ from klest.penalty import (
     kl_penalty,
 )
 from klest.surrogates import BaselineEMA
-from klest.testbeds import CategoricalTestbed, GaussianTestbed, TabularAutoregressive
 from klest.testbeds.base import Sample, Testbed, make_generator
 
+__all__ = [
+    "EstimateFn",
+    "EstimatorSpec",
+    "GradAudit",
+    "GradSpec",
+    "ValueAudit",
+    "audit_grad",
+    "audit_value",
+    "format_grad_audits",
+    "format_value_audits",
+    "gradient_draws",
+    "mean_shift_z",
+]
+
 EstimateFn = Callable[[Sample], Tensor]
+"""A value estimator as a function: one batch (a :class:`~klest.testbeds.Sample`) to its draws."""
 
 
 @dataclass(frozen=True)
@@ -271,7 +284,14 @@ def audit_value(
 
 
 def format_value_audits(audits: list[ValueAudit]) -> str:
-    """A markdown table of value audits."""
+    """A markdown table of value audits.
+
+    Args:
+      audits: the :class:`ValueAudit` results, one row each, in order.
+
+    Returns:
+      The table (header, separator, rows), ending with a newline.
+    """
     head = (
         "| estimator | testbed | KL | exact | exact mean of estimator | mean | bias ± se | z "
         "| std | significant bias |\n|---|---|---|---|---|---|---|---|---|---|\n"
@@ -431,7 +451,21 @@ def gradient_draws(
     progress: bool = False,
     label: str = "gradient",
 ) -> Tensor:
-    """One flattened gradient of ``loss_fn`` per independent batch: ``[n_trials, n_params]``."""
+    """One flattened gradient of ``loss_fn`` per independent batch: ``[n_trials, n_params]``.
+
+    Args:
+      loss_fn: a function from a :class:`~klest.testbeds.Sample` to a scalar loss.
+      testbed: the testbed that draws the batches; the gradient is w.r.t.
+        ``testbed.parameters()``, flattened and concatenated (float64; 0 for an unused one).
+      batch_size: samples per batch.
+      n_trials: number of independent batches.
+      seed: seed of the sampling generator.
+      progress: show a progress bar.
+      label: the progress bar's label.
+
+    Returns:
+      The gradient draws, ``[n_trials, n_params]`` float64.
+    """
     params = testbed.parameters()
     generator = make_generator(seed)
     trials = progress_bar(range(n_trials), desc=f"audit {label}", leave=False, enabled=progress)
@@ -629,7 +663,14 @@ def _verdict(z: dict[str, float], threshold: float, direction: str) -> str:
 
 
 def format_grad_audits(audits: list[GradAudit]) -> str:
-    """A markdown table of gradient audits."""
+    """A markdown table of gradient audits.
+
+    Args:
+      audits: the :class:`GradAudit` results, one row each, in order.
+
+    Returns:
+      The table (header, separator, rows), ending with a newline.
+    """
     head = (
         "| estimator | claims | rel. bias (noise removed) | variance | MSE | z(target) | z(other) "
         "| z(zero) "
@@ -648,145 +689,3 @@ def format_grad_audits(audits: list[GradAudit]) -> str:
         for a in audits
     ]
     return head + "\n".join(rows) + "\n"
-
-
-# -- the audit suite (``klest audit``) ----------------------------------------------------------
-
-# Value estimators the suite checks on every testbed, and (sequence testbeds) at the sequence
-# level: per-token values of KL(ref||pi) summed over a sequence estimate the token sum of
-# E_{y<t ~ pi} KL(ref_t||pi_t), not the sequence KL(ref||pi); level="sequence" is the unbiased
-# option.
-VALUE_AUDIT = ("k1", "k2", "k3", "abs", "cv:0.5", "cv:loo", "cv:ema")
-SEQUENCE_VALUE_AUDIT = ("k1", "k3", "cv:0.5", "cv:loo", "cv:ema")
-
-# Gradient estimators the suite checks on a tabular autoregressive policy: those it audits as
-# claims on either KL, then those it audits for one direction only.
-GRAD_AUDIT_BOTH = (
-    "k1/autodiff",
-    "k3/autodiff",
-    "k3/token",
-    "k3/score",
-    "k3/score+loo",
-    "k3/score+ema",
-    "k3/score+mean",
-    "k3/cumulative",
-    "k3/cumulative+loo",
-    "k3/cumulative+ema",
-    "k3/score+loo-fitted",
-    "k3/cumulative+loo-fitted",
-    "k3/score+loo-ema",
-    "k3/cumulative+loo-ema",
-    "rb/rb",
-)
-GRAD_AUDIT_ONLY = {
-    "pi||ref": (
-        "k2/autodiff",
-        "rb/rb+loo",
-        "rb/rb+loo-fitted",
-        "rb/rb+loo-ema",
-        "rb/autodiff",
-        "k3/cumulative+exact-kl",
-        "k3/token+exact-kl",
-    ),
-    "ref||pi": (),
-}
-GRAD_AUDIT = {direction: GRAD_AUDIT_BOTH + only for direction, only in GRAD_AUDIT_ONLY.items()}
-# Pathwise gradient estimators, audited on reparameterized Gaussian samples in both directions.
-REPARAMETERIZED_GRAD_AUDIT = ("k1/pathwise", "k3/autodiff", "k3/adaptive")
-
-
-def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = False) -> str:
-    """The library's audit plan, as markdown (what ``klest audit`` prints).
-
-    Value estimators (``VALUE_AUDIT``) in both directions on a Gaussian (Schulman's mu = 1),
-    a random categorical and a tabular autoregressive testbed (with ``SEQUENCE_VALUE_AUDIT`` also
-    at the sequence level there), batches of 16; then the gradient estimators of ``GRAD_AUDIT``
-    on a tabular autoregressive policy (V = 3, T = 4, with eos), batches of 8, and those of
-    ``REPARAMETERIZED_GRAD_AUDIT`` on reparameterized samples of a 4-dimensional Gaussian; then
-    the top-k distillation estimators (:func:`klest.audit_topk.topk_audit_section`).
-
-    Args:
-      quick: 200 value trials and 300 gradient trials instead of 2000 each.
-      seed: seeds the random testbeds and every audit's sampling.
-      progress: show progress bars (when tqdm is installed).
-
-    Returns:
-      Markdown: a value table, then one gradient table per direction.
-    """
-    testbeds = [
-        GaussianTestbed.schulman(1.0),
-        CategoricalTestbed.random(6, scale=1.0, seed=seed),
-        TabularAutoregressive.random(3, 4, eos=2, seed=seed),
-    ]
-    trials = 200 if quick else 2000
-    audits = []
-    for tb in testbeds:
-        plan = [(spec, "token") for spec in VALUE_AUDIT]
-        if isinstance(tb, TabularAutoregressive):
-            plan += [(spec, "sequence") for spec in SEQUENCE_VALUE_AUDIT]
-        for direction in ("pi||ref", "ref||pi"):
-            for spec, level in plan:
-                audits.append(
-                    audit_value(
-                        spec,
-                        tb,
-                        direction=direction,
-                        level=level,
-                        batch_size=16,
-                        n_trials=trials,
-                        seed=seed,
-                        progress=progress,
-                    )
-                )
-    parts = [
-        "## Value estimators (bias against the exact KL)\n\n",
-        "On sequences, token-level values of KL(ref||pi) are biased (their prefixes come from pi,"
-        " not ref); the `@sequence` rows apply the estimator to the whole-sequence log-ratio.\n\n",
-        format_value_audits(audits) + "\n",
-    ]
-    tabular = TabularAutoregressive.random(3, 4, eos=2, seed=seed, scale=0.7)
-    grad_trials = 300 if quick else 2000
-    for direction, specs in GRAD_AUDIT.items():
-        grads = [
-            audit_grad(
-                spec,
-                tabular,
-                direction=direction,
-                batch_size=8,
-                n_trials=grad_trials,
-                seed=seed,
-                progress=progress,
-            )
-            for spec in specs
-        ]
-        parts.append(
-            f"## Gradient estimators claiming KL({direction}) on a tabular autoregressive "
-            f"policy (V=3, T=4, eos; exact KL {float(tabular.exact_kl(direction).detach()):.3f};"
-            f" batches of 8, {grad_trials} trials)\n\n"
-        )
-        parts.append(format_grad_audits(grads) + "\n")
-    gaussian = GaussianTestbed(mean=0.3, log_std=0.1, mean_ref=0.0, log_std_ref=0.0, dim=4)
-    for direction in ("pi||ref", "ref||pi"):
-        grads = [
-            audit_grad(
-                spec,
-                gaussian,
-                direction=direction,
-                batch_size=8,
-                n_trials=grad_trials,
-                seed=seed,
-                progress=progress,
-            )
-            for spec in REPARAMETERIZED_GRAD_AUDIT
-        ]
-        parts.append(
-            f"## Pathwise gradient estimators claiming KL({direction}) on reparameterized "
-            f"samples of a Gaussian (D=4; exact KL "
-            f"{float(gaussian.exact_kl(direction).detach()):.3f}; batches of 8, "
-            f"{grad_trials} trials)\n\n"
-        )
-        parts.append(format_grad_audits(grads) + "\n")
-    from klest.audit_topk import topk_audit_section  # imported here: it imports this module
-
-    parts.append(topk_audit_section(quick=quick, seed=seed, progress=progress))
-    return "".join(parts)
