@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from klest.audit import audit_grad, gradient_draws, mean_shift_z
-from klest.penalty import KLGradientWarning
-from klest.rewards import kl_reward
+from klest.sampled.penalty import KLGradientWarning
+from klest.sampled.rewards import kl_reward
 from klest.testbeds import Sample, TabularAutoregressive, make_generator
 from tests._reference import (
     assert_verbose_close,

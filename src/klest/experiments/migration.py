@@ -52,7 +52,7 @@ from klest.experiments.runner import (
     table_threshold,
 )
 from klest.logits import kl_from_logits
-from klest.penalty import KLGradientWarning, kl_penalty
+from klest.sampled.penalty import KLGradientWarning, kl_penalty
 from klest.testbeds import Sample, TabularAutoregressive
 
 VOCAB, HORIZON, EOS, SCALE = 3, 4, 2, 1.0
