@@ -1,4 +1,4 @@
-"""The KL in the reward (PPO-style reward shaping) with ``klest.rewards.kl_reward``: a tiny Llama
+"""The KL in the reward (PPO-style reward shaping) with ``klest.kl_reward``: a tiny Llama
 learns to emit a target token, and a k1 KL reward keeps KL(pi||ref) far smaller than without it;
 a k3 KL reward does not.
 
@@ -10,7 +10,7 @@ per-token rewards are the task reward at each completion's last token minus ``be
 a REINFORCE step (on-policy, so PPO's ratio is 1) weights each token's log-prob by its return
 from that token on:
 
-    returns = task_reward - beta * klest.rewards.kl_reward(logp, logp_ref, mask=mask,
+    returns = task_reward - beta * klest.kl_reward(logp, logp_ref, mask=mask,
                                                            reward_to_go=True)
 
 (the task reward sits at the last token, so every token's return includes it), minus a
@@ -46,8 +46,8 @@ import torch
 
 from _common import finish
 from _tiny_lm import Clock, parse_args, print_table, tail_mean, train
-from klest.penalty import KLGradientWarning
-from klest.rewards import kl_reward
+from klest.sampled.penalty import KLGradientWarning
+from klest.sampled.rewards import kl_reward
 
 BETA = 0.05
 

@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from klest import kl_penalty
-from klest.adaptive import baseline_scale, mix_coefficient, mix_multipliers
 from klest.audit import GradSpec, gradient_draws, mean_shift_z
-from klest.penalty import KLGradientWarning
+from klest.sampled.baselines import baseline_scale, mix_coefficient, mix_multipliers
+from klest.sampled.penalty import KLGradientWarning
 from klest.testbeds import GaussianTestbed, TabularAutoregressive
 
 from ._reference import estimator_formula, left_padded

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from klest.aggregation import group_keys
-from klest.control_variates import AlphaEMA, fit_alpha
+from klest.sampled.control_variates import AlphaEMA, fit_alpha
+from klest.sampled.groups import group_keys
 from klest.testbeds import make_generator
 
 

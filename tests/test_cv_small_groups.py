@@ -14,7 +14,7 @@ import torch
 
 from klest import kl_estimate
 from klest._checks import _WARNED_ONCE
-from klest.estimators import SMALL_GROUP
+from klest.sampled.estimators import SMALL_GROUP
 
 
 @pytest.fixture(autouse=True)

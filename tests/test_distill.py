@@ -36,7 +36,7 @@ from klest.experiments.distill import (
     prompts,
 )
 from klest.experiments.small_lms import sample_completions
-from klest.rewards import kl_reward
+from klest.sampled.rewards import kl_reward
 from klest.testbeds import LanguageModelTestbed
 from klest.testbeds.base import Sample
 from tests._stats import RATE, z_for

@@ -19,7 +19,7 @@ import torch
 
 import klest
 from klest.audit import GradSpec, audit_grad, gradient_draws, mean_shift_z
-from klest.penalty import KLGradientWarning
+from klest.sampled.penalty import KLGradientWarning
 from klest.testbeds import make_generator
 from tests._reference import exact_token_level_gradient, left_padded
 from tests._stats import RATE, Z, z_for

@@ -159,8 +159,8 @@ def test_control_variate_no_nan_and_inf_only_past_range(direction, alpha, lp, lq
     For ``alpha="loo"`` the exact value uses the coefficients the estimator fitted (recomputed
     with ``fit_alpha`` on the same terms): what is tested is the combination, not the fit.
     """
-    from klest.control_variates import fit_alpha
-    from klest.estimators import ratio_terms
+    from klest.sampled.control_variates import fit_alpha
+    from klest.sampled.terms import ratio_terms
 
     n = min(len(lp), len(lq))
     logp = torch.tensor(lp[:n], dtype=torch.float32)
@@ -418,23 +418,3 @@ def test_k3_under_forward_mode_ad_equals_the_autograd_directional_derivative(dir
     (grad,) = torch.autograd.grad(f(x), x)
     _, tangent = torch.func.jvp(f, (logp,), (v,))
     torch.testing.assert_close(tangent, (grad * v).sum(), rtol=1e-12, atol=1e-15)
-
-
-def test_records_derivatives_exactly_where_a_derivative_is_recorded():
-    """The fast paths (in place, integer bit masks) run exactly where no mechanism records a
-    derivative: a tensor without ``requires_grad``, or any tensor under ``no_grad``, takes them;
-    a graph, a forward-mode AD level or a functorch transform does not."""
-    from torch.autograd import forward_ad
-
-    from klest._autodiff import records_derivatives, transforms_active
-
-    plain, leaf = torch.ones(3), torch.ones(3, requires_grad=True)
-    assert not records_derivatives(plain) and not transforms_active()
-    assert records_derivatives(leaf)
-    with torch.no_grad():
-        assert not records_derivatives(leaf) and not records_derivatives(plain)
-    with forward_ad.dual_level():
-        assert records_derivatives(plain) and transforms_active()
-    seen = []
-    torch.func.vmap(lambda x: seen.append(records_derivatives(x)) or x)(plain)
-    assert seen == [True]

@@ -19,9 +19,8 @@ import pytest
 import torch
 
 import klest
-from klest import penalty as penalty_module
 from klest.audit import GradSpec, audit_grad, gradient_draws, mean_shift_z
-from klest.penalty import KLGradientWarning
+from klest.sampled.penalty import KLGradientWarning
 from klest.testbeds import (
     TabularAutoregressive,
     make_generator,
@@ -198,7 +197,7 @@ def test_mean_baseline_scales_the_gradient_by_one_minus_one_over_n(grad, directi
 @pytest.mark.parametrize("name", ["tabular", "off-policy"])
 def test_token_level_gradient_has_its_documented_mean(name, direction):
     """``token``'s mean is the per-position KLs' gradient with the prefixes held fixed (module
-    docstring of klest.penalty): on-policy pi's prefixes, off-policy behavior's."""
+    docstring of klest.sampled.penalty): on-policy pi's prefixes, off-policy behavior's."""
     testbed = make(name)
     target = testbed.target if name == "off-policy" else testbed
     sampler = testbed.behavior if name == "off-policy" else None
@@ -652,13 +651,10 @@ STATELESS_GROUP_BASELINES = [
 
 
 @pytest.mark.parametrize(("grad", "baseline", "direction"), STATELESS_GROUP_BASELINES)
-def test_validated_calls_skip_the_alignment_only_where_it_changes_nothing(
-    grad, baseline, direction
-):
-    """With validation on, a group baseline skips the first-token alignment when the checks'
-    read says no row is left-padded, guessing the layout from the previous call (rebuilt
-    aligned when the guess was wrong): every layout sequence gives, bit for bit, the loss and
-    gradient of validate=False, which always aligns."""
+def test_validation_changes_no_loss_or_gradient_in_any_layout(grad, baseline, direction):
+    """The value checks only read: in every padding layout, one call after another, a validated
+    call gives, bit for bit, the loss and gradient of validate=False (the checks keep no
+    state between calls)."""
     testbed = make("tabular")
     s = testbed.sample(8, generator=make_generator(23))
     assert not bool(s.mask.all())
@@ -687,7 +683,6 @@ def test_validated_calls_skip_the_alignment_only_where_it_changes_nothing(
 
     for layout in ("right", "right", "left", "left", "right", "left", "right"):
         loss, g = call(layout, True)
-        assert penalty_module._LAYOUT.guess_left_padded == (layout == "left")
         loss_ref, g_ref = call(layout, False)
         assert torch.equal(loss, loss_ref), layout
         assert torch.equal(g, g_ref), layout

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from klest.audit import audit_grad, gradient_draws, mean_shift_z
-from klest.penalty import KLGradientWarning
-from klest.rewards import kl_reward
+from klest.sampled.penalty import KLGradientWarning
+from klest.sampled.rewards import kl_reward
 from klest.testbeds import Sample, TabularAutoregressive, make_generator
 from tests._reference import (
     assert_verbose_close,
@@ -207,7 +207,7 @@ def test_k1_reward_gradient_null_check_holds_over_seeds():
 
 
 # k3 as a reward: E[g] = grad KL(pi||ref) - sum_t E_{y<t ~ pi}[grad KL(ref_t||pi_t)] (prefixes
-# held fixed; klest.rewards). One null comparison per testbed, one-sided: z_for(RATE, 1,
+# held fixed; klest.sampled.rewards). One null comparison per testbed, one-sided: z_for(RATE, 1,
 # two_sided=False) = 3.83. Its rejections: "one-token" (one-token samples, where the
 # per-position gradient of KL(ref||pi) is the KL's own) against grad KL(pi||ref); "tabular"
 # against grad KL(pi||ref) and against the sequence-level grad KL(pi||ref) - grad KL(ref||pi),

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from klest.sequence import (
-    ShiftBuffer,
+from klest.sampled.sequence import (
     align_left,
     first_token,
     prefix_weights,
@@ -60,22 +59,25 @@ def test_first_token_is_the_first_true_column_or_0_for_an_empty_row():
         assert first_token(valid).tolist() == expected
 
 
-def test_shift_buffer_shifts_each_row_by_its_own_offset_with_zeros_shifted_in():
-    x = torch.arange(1.0, 25.0).reshape(4, 6)
-    shift = torch.tensor([0, 1, 5, 6])
-    buffer = ShiftBuffer(4, 6, like=x)
-    buffer.data.copy_(x)
-    left, right = buffer.shifted_left(shift), buffer.shifted_right(shift)
+def test_align_left_and_unalign_shift_each_row_with_zeros_shifted_in():
+    """align_left moves row r left by its first valid column s, zeros shifted in at the end;
+    unalign moves it right by s, zeros shifted in at the start (a loop over rows as reference),
+    values, validity and the gradient through the shift."""
+    x = torch.arange(1.0, 25.0, dtype=torch.float64).reshape(4, 6).requires_grad_()
+    valid = torch.zeros(4, 6, dtype=torch.bool)
+    for r, s in enumerate([0, 1, 5, 6]):  # 6: an empty row, whose first token is column 0
+        valid[r, s:] = True
+    first = first_token(valid)
+    assert first.tolist() == [0, 1, 5, 0]
+    left, left_valid = align_left(x, valid, first)
+    right = unalign(x, first)
     for r in range(4):
-        s = int(shift[r])
+        s = int(first[r])
         assert left[r].tolist() == x[r, s:].tolist() + [0.0] * s
+        assert left_valid[r].tolist() == valid[r, s:].tolist() + [False] * s
         assert right[r].tolist() == [0.0] * s + x[r, : 6 - s].tolist()
-    # Into a strided destination (a view of a wider buffer), as the group baseline writes it.
-    wide = torch.full((4, 12), -1.0)
-    buffer.shifted_left(shift, out=wide[:, :6])
-    assert torch.equal(wide[:, :6], left) and bool((wide[:, 6:] == -1.0).all())
-    empty = ShiftBuffer(0, 6, like=x)  # no rows: the copy path
-    assert empty.shifted_left(torch.zeros(0, dtype=torch.int64), out=torch.empty(0, 6)).shape == (
-        0,
-        6,
-    )
+    (grad,) = torch.autograd.grad(left.sum(), x)
+    assert torch.equal(grad, (torch.arange(6) >= first.unsqueeze(1)).double())
+    no_rows = torch.zeros(0, 6)
+    assert align_left(no_rows, no_rows.bool(), first[:0])[0].shape == (0, 6)
+    assert unalign(torch.zeros(3, 0), first[:3]).shape == (3, 0)

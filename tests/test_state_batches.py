@@ -192,7 +192,7 @@ def first_valid(valid: torch.Tensor) -> list[int]:
 
 
 def aligned_targets(r: Rows, grad: str, direction: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The score-function targets A (:mod:`klest.penalty`'s table, on-policy) with the t-th
+    """The score-function targets A (:mod:`klest.sampled.penalty`'s table, on-policy) with the t-th
     token of every completion in column t: ``score``: the sequence's log-ratio sum (KL(pi||ref))
     or ratio ``R`` (KL(ref||pi)), ``[rows, 1]``; ``cumulative``: the log-ratios to go or the
     prefix ratio ``R_{<=t}``, ``[rows, T]``. Returns ``(A, valid)``, 0 where not valid."""

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
 import klest
-from klest._masks import mask_bits
-from klest.aggregation import group_keys
-from klest.surrogates import BaselineEMA, group_baseline, group_sizes, starts_late
+from klest.sampled.baselines import BaselineEMA, group_baseline
+from klest.sampled.groups import group_keys, group_sizes
 from klest.testbeds import make_generator
 
 
@@ -153,44 +150,6 @@ def test_baselines_keep_the_targets_dtype():
     assert group_baseline(targets, valid, "loo", torch.zeros(4, dtype=torch.int64)).dtype == (
         torch.float32
     )
-
-
-@pytest.mark.parametrize("kind", ["loo", "mean"])
-def test_group_baseline_without_alignment_is_the_same_when_no_row_starts_late(kind):
-    """align=False skips the shifts; with every row starting at column 0 (right padding, empty
-    rows, full rows) the result is the same bit for bit, and starts_late says when it is not."""
-    g = make_generator(5)
-    targets = torch.randn(9, 11, generator=g, dtype=torch.float64)
-    lengths = torch.tensor([11, 0, 3, 7, 1, 11, 5, 0, 9])
-    valid = torch.arange(11) < lengths.unsqueeze(1)
-    keys = group_keys(torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 3]))
-    assert not bool(starts_late(valid))
-    aligned = group_baseline(targets, valid, kind, keys)
-    assert torch.equal(group_baseline(targets, valid, kind, keys, align=False), aligned)
-    left = valid.flip(-1)
-    assert bool(starts_late(left))
-    assert not bool(starts_late(left[[0, 1, 5]]))  # full and empty rows start at column 0
-    assert not torch.equal(
-        group_baseline(targets, left, kind, keys, align=False),
-        group_baseline(targets, left, kind, keys),
-    )
-
-
-@pytest.mark.parametrize("align", [True, False])
-def test_group_baseline_with_the_callers_mask_bits_is_the_same(align):
-    """The mask bits a caller already made (kl_penalty's, from its inputs) give the result
-    computed without them, bit for bit, also where the masked targets hold NaN or inf."""
-    g = make_generator(6)
-    targets = torch.randn(6, 9, generator=g)
-    valid = torch.rand(6, 9, generator=g) > 0.3
-    valid[:, 0] = True
-    targets[~valid] = math.nan
-    targets[~valid & (torch.arange(9) % 2 == 0)] = math.inf
-    keys = group_keys(torch.tensor([0, 0, 1, 1, 1, 2]))
-    bits = mask_bits(valid, targets.dtype)
-    got = group_baseline(targets, valid, "loo", keys, align=align, bits=bits)
-    assert torch.equal(got, group_baseline(targets, valid, "loo", keys, align=align))
-    assert bool(torch.isfinite(got).all())
 
 
 def test_ema_state_follows_its_inputs_to_another_device():

@@ -10,7 +10,7 @@ planted under the mask, off-policy samples and logits.
 
 For every combination of :func:`klest.kl_penalty`'s options (estimator x grad x baseline x
 direction x level x reduction x on/off-policy x reparameterized), the test's own model of its
-rules (:func:`refusal`, read from ``klest.penalty._check_rules`` and ``check_level``) says
+rules (:func:`refusal`, read from ``klest.sampled.penalty._check_rules`` and ``check_level``) says
 whether it is accepted; a refused one must raise ``ValueError`` whatever the data. Accepted
 ones must satisfy, on every batch:
 
@@ -287,7 +287,8 @@ class Options:
 
 def refusal(o: Options) -> str | None:
     """Why ``kl_penalty`` refuses ``o`` (None: it accepts it): this test's reading of
-    ``klest.penalty._check_rules`` and ``klest.estimators.check_level``, written out."""
+    ``klest.sampled.penalty._check_rules`` and ``klest.sampled.log_ratios.check_level``, written
+    out."""
     if o.level == "sequence" and o.reduction not in SEQUENCE_REDUCTIONS:
         return "level='sequence' takes one value per sequence"
     if o.grad == "stl" and o.direction != "pi||ref":
@@ -347,7 +348,8 @@ def uses_state(o: Options, e: Extras) -> bool:
 
 def order_dependent(o: Options | RewardOptions, e: Extras) -> bool:
     """Cross-fitting splits each group's rows into two folds alternating in row order
-    (``klest.control_variates`` and ``klest.adaptive``): permuting rows changes the folds."""
+    (``klest.sampled.control_variates`` and ``klest.sampled.baselines``): permuting rows changes
+    the folds."""
     return o.baseline == "loo-fitted" or (o.estimator == "cv" and e.alpha == "crossfit")
 
 

@@ -27,15 +27,15 @@ from klest.audit import GradAudit
 from klest.audit import ValueAudit
 from klest.audit import audit_grad
 from klest.audit import audit_value
-from klest.control_variates import AlphaEMA
-from klest.estimators import EstimateDetails
-from klest.estimators import cv
-from klest.estimators import f_divergence
-from klest.estimators import k1
-from klest.estimators import k2
-from klest.estimators import k3
-from klest.estimators import k_abs
-from klest.estimators import kl_estimate
+from klest.sampled.control_variates import AlphaEMA
+from klest.sampled.estimators import EstimateDetails
+from klest.sampled.estimators import cv
+from klest.sampled.estimators import f_divergence
+from klest.sampled.estimators import k1
+from klest.sampled.estimators import k2
+from klest.sampled.estimators import k3
+from klest.sampled.estimators import k_abs
+from klest.sampled.estimators import kl_estimate
 from klest.logits import LogitsDetails
 from klest.logits import categorical_kl
 from klest.logits import jsd_from_hidden
@@ -51,14 +51,14 @@ from klest.logits import token_log_probs
 from klest.logits.topk import TopKDetails
 from klest.logits.topk import TopKEstimator
 from klest.logits.topk import kl_from_topk
-from klest.penalty import GRADIENT_ESTIMATORS
-from klest.penalty import GradientEstimator
-from klest.penalty import KLGradientWarning
-from klest.penalty import PenaltyDetails
-from klest.penalty import kl_penalty
-from klest.rewards import kl_reward
-from klest.surrogates import BaselineEMA
-from klest.adaptive import LooScaleEMA
+from klest.sampled.penalty import GRADIENT_ESTIMATORS
+from klest.sampled.penalty import GradientEstimator
+from klest.sampled.penalty import KLGradientWarning
+from klest.sampled.penalty import PenaltyDetails
+from klest.sampled.penalty import kl_penalty
+from klest.sampled.rewards import kl_reward
+from klest.sampled.baselines import BaselineEMA
+from klest.sampled.baselines import LooScaleEMA
 from klest.surrogates import decouple
 import klest.nn  # noqa: F401 (the submodule is public: klest.nn.KLPenalty, ...)
 

@@ -151,11 +151,8 @@ class ValueChecks:
     the same synchronisation and judged on the host by ``failed(*floats)``, so that comparing
     them costs no device operation. ``warn_once(key, flags, message)`` registers a warning read
     in the same synchronisation, given (when no check failed) once per process per ``key``;
-    once given, it is not registered again.
-    ``probe(flag)`` registers a boolean scalar that is no check: its value comes back from
-    :meth:`run` (in the order of the probes), read in the same synchronisation, for a caller that
-    picks a faster path with it. When disabled, ``add``, ``add_read``, ``warn_once`` and
-    ``probe`` record nothing and ``run`` does nothing (and returns no probe).
+    once given, it is not registered again. When disabled, ``add``, ``add_read`` and
+    ``warn_once`` record nothing and ``run`` does nothing.
     """
 
     def __init__(self, enabled: bool) -> None:
@@ -179,16 +176,10 @@ class ValueChecks:
         if self.enabled and key not in _WARNED_ONCE:
             self._items.append(_Item(flags.detach(), (), message, key))
 
-    def probe(self, flag: Tensor) -> None:
-        """Read the boolean scalar ``flag`` with the checks: its value is in :meth:`run`'s list."""
-        if self.enabled:
-            self._items.append(_Item(flag.detach(), (), None))
-
-    def run(self) -> list[bool]:
-        """Read every check and probe at once; raise for the first failed check, give the
-        warnings, and return the probes' values (in the order they were registered)."""
+    def run(self) -> None:
+        """Read every check at once; raise for the first failed check, then give the warnings."""
         if not self._items:
-            return []
+            return
         items, self._items = self._items, []
         device = (items[0].flags if items[0].flags is not None else items[0].reads[0]).device
         with torch.no_grad():
@@ -197,30 +188,26 @@ class ValueChecks:
             per_item = [item.scalars() for item in items]
             read = iter(torch.stack([s.to(device) for ss in per_item for s in ss]).tolist())
         warned: dict[str, str] = {}
-        probes = []
         for item, ss in zip(items, per_item, strict=True):
             values = [next(read) for _ in ss]
             failed = item.failed(*values) if item.failed is not None else bool(values[0])
-            if item.message is None:
-                probes.append(failed)
-            elif failed and item.key is None:
+            if failed and item.key is None:
                 raise ValueError(item.message(item.flags))
             elif failed and item.key not in _WARNED_ONCE and item.key not in warned:
                 warned[item.key] = item.message(item.flags)
         for key, text in warned.items():
             _WARNED_ONCE.add(key)
             warn_at_caller(text, UserWarning)
-        return probes
 
 
 @dataclasses.dataclass
 class _Item:
-    """One queued check, warning or probe: boolean ``flags`` (one must be True to fail), or
-    0-dim ``reads`` judged by ``failed``; ``message`` None for a probe, ``key`` for a warning."""
+    """One queued check or warning: boolean ``flags`` (one must be True to fail), or 0-dim
+    ``reads`` judged by ``failed``; ``key`` for a warning."""
 
     flags: Tensor | None
     reads: tuple[Tensor, ...]
-    message: Callable[[Any], str] | None
+    message: Callable[[Any], str]
     key: str | None = None
     failed: Callable[..., bool] | None = None
 

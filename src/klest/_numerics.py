@@ -3,20 +3,18 @@
 Peers compute k3 as ``exp(x) - x - 1``; near x = 0 the two large terms cancel and in float32 the
 result is mostly rounding noise (relative error 0.3-1 for |x| in [1e-5, 1e-2]). Here each function
 is a Taylor polynomial near 0 (truncation below the dtype's precision) and the direct
-formula elsewhere, where no cancellation happens. With a graph both branches see only inputs valid
-for them, so the unselected branch never puts NaN into a gradient.
+formula elsewhere, where no cancellation happens. Both branches see only inputs valid for them, so
+the unselected branch never puts NaN into a gradient.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-from klest._autodiff import records_derivatives
 
 # e^x - 1 - x = sum_{k>=2} x^k / k!, and e^-x - 1 + x = sum_{k>=2} (-x)^k / k!
 _EXP_TAIL = tuple(1.0 / math.factorial(k) for k in range(2, 18))
@@ -49,81 +47,44 @@ _EXP_NEG_TAIL_SERIES = _Series(_EXP_NEG_TAIL, 0.2, {torch.float64: 12}, 6)
 _XEXP_TAIL_SERIES = _Series(_XEXP_TAIL, 0.5, {torch.float64: 17}, 9)
 
 
-def _series_or_direct(x: Tensor, series: _Series, direct, direct_far) -> Tensor:
-    """``direct(x)`` with a graph; without one ``direct_far(x, near, spare)``: the direct
-    formula at ``x - near``, the far inputs and 0 elsewhere, where it must be exactly 0
-    (``spare``: a tensor like ``x`` whose values are no longer needed, for a temporary)."""
+def _series_or_direct(x: Tensor, series: _Series, direct: Callable[[Tensor], Tensor]) -> Tensor:
+    """The Taylor polynomial of ``series`` where ``|x| < radius``, ``direct(x)`` elsewhere.
+
+    Each branch sees only inputs valid for it (the unselected branch's backward would otherwise
+    put ``inf * 0 = NaN`` into the gradient).
+    """
     coeffs = series.coeffs[: series.degree.get(x.dtype, series.default_degree) - 1]
-    if records_derivatives(x):
-        # With a graph, each branch sees only inputs valid for it (the unselected branch's
-        # backward would otherwise put inf * 0 = NaN into the gradient).
-        small = x.abs() < series.radius
-        xs = torch.where(small, x, torch.zeros_like(x))
-        xd = torch.where(small, torch.ones_like(x), x)
-        return torch.where(small, _inner(coeffs, xs, in_place=False) * xs * xs, direct(xd))
-    # Without one, the branches are added (float arithmetic runs several times faster than bool
-    # masks on the CPU): the direct formula at the far inputs (0 elsewhere, where it is exactly
-    # 0) plus the polynomial of the near ones (0 elsewhere; x is clamped first so that no inf
-    # meets the 0): exactly one branch or the other.
-    far = x.abs().ge_(series.radius)
-    clamped = x.clamp(-series.radius, series.radius)
-    near = clamped.addcmul_(clamped, far, value=-1.0)  # x where near, exactly 0 where far
-    out = direct_far(x, near, far)  # far's memory is free again: a fresh tensor costs more
-    del far  # fewer live temporaries: less memory to touch
-    return out.addcmul_(_inner(coeffs, near, in_place=True).mul_(near), near)
+    small = x.abs() < series.radius
+    xs = torch.where(small, x, 0.0)
+    xd = torch.where(small, 1.0, x)
+    return torch.where(small, _horner(coeffs, xs) * xs * xs, direct(xd))
 
 
-def _inner(coeffs: tuple[float, ...], x: Tensor, *, in_place: bool) -> Tensor:
-    """``c_0 + c_1 x + ...`` (the series is x^2 times it) by Horner: acc = c_{n-1} + c_n x, then
-    acc = c + acc x (one fused pass each; in place when no graph is recorded)."""
-    acc = torch.add(_scalar(coeffs[-2], x), x, alpha=coeffs[-1])
+def _horner(coeffs: tuple[float, ...], x: Tensor) -> Tensor:
+    """``c_0 + c_1 x + ... + c_n x^n`` by Horner's rule (the series is x^2 times it)."""
+    acc = coeffs[-1] * x + coeffs[-2]
     for c in reversed(coeffs[:-2]):
-        acc = torch.addcmul(_scalar(c, x), acc, x, out=acc if in_place else None)
+        acc = acc * x + c
     return acc
-
-
-def _scalar(c: float, like: Tensor) -> Tensor:
-    return _constant(c, like.dtype, like.device)
-
-
-@functools.lru_cache(maxsize=256)
-def _constant(c: float, dtype: torch.dtype, device: torch.device) -> Tensor:
-    """A 0-dim tensor of the series' coefficient, made once per dtype and device (a new
-    ``torch.tensor`` each call costs a few microseconds, and a series takes up to 16)."""
-    return torch.tensor(c, dtype=dtype, device=device)
 
 
 def exp_tail(x: Tensor) -> Tensor:
     """``e^x - 1 - x``, accurate to a few ulp for every x (>= 0; +inf only past overflow)."""
-    return _series_or_direct(x, _EXP_TAIL_SERIES, _expm1_minus_identity, _expm1_minus_identity_far)
+    return _series_or_direct(x, _EXP_TAIL_SERIES, _expm1_minus_identity)
 
 
 def _expm1_minus_identity(z: Tensor) -> Tensor:
     return torch.expm1(z) - z
 
 
-def _expm1_minus_identity_far(x: Tensor, near: Tensor, spare: Tensor) -> Tensor:
-    z = torch.sub(x, near, out=spare)
-    return torch.expm1(z).sub_(z)
-
-
 def exp_neg_tail(x: Tensor) -> Tensor:
     """``e^-x - 1 + x`` (k3 of KL(pi||ref) at the log-ratio x), accurate to a few ulp for every
-    x: :func:`exp_tail` of ``-x`` without the pass that negates x (the same values, bit for
-    bit: the series' terms only change sign)."""
-    return _series_or_direct(
-        x, _EXP_NEG_TAIL_SERIES, _expm1_neg_plus_identity, _expm1_neg_plus_identity_far
-    )
+    x: :func:`exp_tail` of ``-x`` (the same values: the series' terms only change sign)."""
+    return _series_or_direct(x, _EXP_NEG_TAIL_SERIES, _expm1_neg_plus_identity)
 
 
 def _expm1_neg_plus_identity(z: Tensor) -> Tensor:
     return torch.expm1(-z) + z
-
-
-def _expm1_neg_plus_identity_far(x: Tensor, near: Tensor, spare: Tensor) -> Tensor:
-    """``expm1(w) - w`` at ``w = near - x``: the negated far inputs in one pass."""
-    w = torch.sub(near, x, out=spare)
-    return torch.expm1(w).sub_(w)
 
 
 def xexp_tail(x: Tensor) -> Tensor:
@@ -131,12 +92,7 @@ def xexp_tail(x: Tensor) -> Tensor:
     # Clamping -inf to the most negative finite value gives e^x = 0 exactly and a zero gradient.
     x = x.clamp(min=torch.finfo(x.dtype).min)
     # e^x (x - 1) + 1 rather than x e^x - expm1(x): the latter is inf - inf past overflow.
-    return _series_or_direct(
-        x,
-        _XEXP_TAIL_SERIES,
-        _exp_times_x_minus_one,
-        lambda x, near, spare: _exp_times_x_minus_one(torch.sub(x, near, out=spare)),
-    )
+    return _series_or_direct(x, _XEXP_TAIL_SERIES, _exp_times_x_minus_one)
 
 
 def _exp_times_x_minus_one(z: Tensor) -> Tensor:

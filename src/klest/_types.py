@@ -27,7 +27,7 @@ Estimator = Literal["k1", "k2", "k3", "abs", "cv", "rb"]
 """Value estimators (``"rb"``: exact per-position KLs from logits, Rao-Blackwellized)."""
 
 Grad = Literal["pathwise", "adaptive", "stl", "score", "cumulative", "rb", "token", "autodiff"]
-"""Gradient estimators of :func:`klest.kl_penalty` (see ``klest.penalty.GRADIENT_ESTIMATORS``)."""
+"""Gradient estimators of :func:`klest.kl_penalty` (see ``klest.GRADIENT_ESTIMATORS``)."""
 
 Baseline = Literal["loo", "mean", "loo-fitted", "exact-kl", "exact-kl+loo"]
 """Baselines computed within a batch (``"loo-fitted"``: leave-one-out times a cross-fitted

@@ -78,18 +78,7 @@ def reduce_rows(values: Tensor, valid: Tensor | None, reduction: str, shape: tor
         return per_row.reshape(sequence_shape(shape))
     if reduction == "seq-mean-token-mean":
         per_row = per_row / _at_least_one(t if valid is None else valid.sum(-1))
-    return per_row.sum() / _at_least_one(rows if valid is None else nonempty_rows(valid).sum())
-
-
-def nonempty_rows(valid: Tensor) -> Tensor:
-    """Whether each row of bool ``valid`` ``[rows, T]`` has a valid token, ``[rows]``.
-
-    ``valid.any(-1)``, computed as a max over the bytes (a bool is one byte, 0 or 1), which the
-    CPU reduces many times faster than a logical or.
-    """
-    if valid.shape[-1] == 0:
-        return valid.any(-1)
-    return valid.view(torch.uint8).amax(-1).bool()
+    return per_row.sum() / _at_least_one(rows if valid is None else valid.any(-1).sum())
 
 
 def _at_least_one(count: int | Tensor) -> int | Tensor:
@@ -207,33 +196,6 @@ def diagnostics(
         n_empty_rows=int(numbers[4]),
         alpha=None if alpha is None else numbers[5],
     )
-
-
-_PAIRWISE_ROWS = 1024
-"""Up to this many rows, group keys come from the table of equal ids (at most 1 MiB)."""
-
-
-def group_keys(group: Tensor) -> Tensor:
-    """For each row, the index of the first row of its group: ``[rows]`` keys in ``[0, rows)``.
-
-    Rows with equal ids share a key, so ``index_add_`` into ``rows`` bins pools each group;
-    sorting instead of ``torch.unique`` keeps it free of host synchronisations.
-    """
-    rows = group.numel()
-    if rows == 0:
-        return group.to(torch.int64)
-    if rows <= _PAIRWISE_ROWS:
-        # The first True of each row of the [rows, rows] equality table: two operations.
-        same = group.reshape(-1, 1) == group.reshape(1, -1)
-        return same.view(torch.uint8).argmax(-1)
-    sorted_ids, order = torch.sort(group, stable=True)
-    starts = torch.ones(rows, dtype=torch.bool, device=group.device)
-    starts[1:] = sorted_ids[1:] != sorted_ids[:-1]
-    positions = torch.arange(rows, device=group.device)
-    start_of = torch.cummax(torch.where(starts, positions, 0), 0).values
-    keys = torch.empty_like(order)
-    keys[order] = order[start_of]
-    return keys
 
 
 D = TypeVar("D")

@@ -27,13 +27,12 @@ from klest._types import (
     Level,
     Reduction,
 )
-from klest.adaptive import LooScaleEMA
 from klest.aggregation import WithDetails
-from klest.control_variates import AlphaEMA
-from klest.estimators import Alpha, check_level
 from klest.logits import LogitsDetails, kl_from_hidden, kl_from_logits
-from klest.penalty import PenaltyDetails, kl_penalty
-from klest.surrogates import BaselineEMA
+from klest.sampled.baselines import BaselineEMA, LooScaleEMA
+from klest.sampled.control_variates import Alpha, AlphaEMA
+from klest.sampled.log_ratios import check_level
+from klest.sampled.penalty import PenaltyDetails, kl_penalty
 
 _STATE_BASELINES = {"ema": BaselineEMA, "loo-ema": LooScaleEMA}
 """Baselines that learn over batches: their state is a submodule (saved in ``state_dict``)."""

@@ -30,16 +30,16 @@ from torch import Tensor
 from klest._checks import check_choice, check_direction
 from klest._progress import progress_bar
 from klest._types import AlphaFit, Baseline, Estimator
-from klest.adaptive import LooScaleEMA
-from klest.control_variates import AlphaEMA
-from klest.estimators import kl_estimate, per_token_values
-from klest.penalty import (
+from klest.sampled.baselines import BaselineEMA, LooScaleEMA
+from klest.sampled.control_variates import AlphaEMA
+from klest.sampled.estimators import kl_estimate
+from klest.sampled.penalty import (
     EXACT_KL_BASELINES,
     GRADIENT_ESTIMATORS,
     KLGradientWarning,
     kl_penalty,
 )
-from klest.surrogates import BaselineEMA
+from klest.sampled.terms import per_token_values
 from klest.testbeds.base import Sample, Testbed, make_generator
 
 __all__ = [

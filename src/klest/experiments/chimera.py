@@ -12,7 +12,7 @@ reparameterized samples x = mu + eps, batches of B = 32. Estimators, as value/gr
 - ``k3 (essay code)``: the essay's code uses r = pi/ref inside k3 (biased value), autodiff;
 - ``chimera``: value k3, gradient of k1 (``decouple(k3, k1)``);
 - ``adaptive``: value k3, gradient of k1 + c (k3 - k1) with c fitted on the other samples
-  (``grad="adaptive"``, :mod:`klest.adaptive`): k3's gradient at small D, k1's at large D;
+  (``grad="adaptive"``, :mod:`klest.sampled.baselines`): k3's gradient at small D, k1's at large D;
 - ``chimera + stl``: value k3, k1's gradient with "sticking the landing" (pi's density
   parameters stopped; x = mu + eps still differentiable). Not in the essay: added because here its
   gradient is exactly mu, with zero variance at every D.
@@ -52,7 +52,7 @@ import torch
 from klest._progress import progress_bar
 from klest.audit import gradient_draws
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
-from klest.penalty import KLGradientWarning, kl_penalty
+from klest.sampled.penalty import KLGradientWarning, kl_penalty
 from klest.testbeds import GaussianTestbed, make_generator
 from klest.testbeds.base import Sample
 

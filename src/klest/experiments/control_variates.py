@@ -31,8 +31,8 @@ import numpy as np
 import torch
 
 from klest.audit import audit_value
-from klest.estimators import cv
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot, table_threshold
+from klest.sampled.estimators import cv
 from klest.testbeds import GaussianTestbed, make_generator
 
 ESTIMATORS = ("k1", "k3", "cv:loo", "cv:crossfit", "cv:ema", "cv:in-sample")

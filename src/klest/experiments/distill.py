@@ -81,7 +81,6 @@ import torch
 from torch import Tensor
 
 from klest._progress import progress_bar
-from klest.estimators import kl_estimate
 from klest.experiments.reviews import ENTHUSIAST, NEUTRAL, sample_reviews
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.experiments.small_lms import (
@@ -96,7 +95,8 @@ from klest.experiments.small_lms import (
     trained_gpt2,
 )
 from klest.logits import kl_from_logits
-from klest.penalty import KLGradientWarning, kl_penalty
+from klest.sampled.estimators import kl_estimate
+from klest.sampled.penalty import KLGradientWarning, kl_penalty
 
 PROMPT_WORDS = 2
 """Words of a teacher-style review after ``<bos>`` that make a prompt."""

@@ -72,8 +72,6 @@ import torch
 from torch import Tensor
 
 from klest._progress import progress_bar
-from klest.aggregation import group_keys
-from klest.estimators import kl_estimate
 from klest.experiments.reviews import NEUTRAL, sample_reviews, sentiment
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.experiments.small_lms import (
@@ -86,8 +84,10 @@ from klest.experiments.small_lms import (
     small_lm_session,
     trained_gpt2,
 )
-from klest.penalty import kl_penalty
-from klest.surrogates import group_baseline
+from klest.sampled.baselines import group_baseline
+from klest.sampled.estimators import kl_estimate
+from klest.sampled.groups import group_keys
+from klest.sampled.penalty import kl_penalty
 
 ESTIMATORS = ("mc", "rb")
 KL_PENALTIES: dict[str, dict[str, str]] = {

@@ -34,7 +34,7 @@ import torch
 from klest._progress import progress_bar
 from klest.audit import GradSpec, audit_grad, gradient_draws
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
-from klest.penalty import EXACT_KL_BASELINES, GRADIENT_ESTIMATORS
+from klest.sampled.penalty import EXACT_KL_BASELINES, GRADIENT_ESTIMATORS
 from klest.testbeds import LanguageModelTestbed
 
 VOCAB, HORIZON, EOS, SCALE, BATCH = 5, 5, 1, 10.0, 8

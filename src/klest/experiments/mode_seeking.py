@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
-from klest.penalty import kl_penalty
+from klest.sampled.penalty import kl_penalty
 from klest.testbeds import GaussianMixtureTarget, make_generator
 from klest.testbeds.gaussian import gaussian_log_density
 

@@ -7,8 +7,8 @@ tokens on later ones; the sequence-level ("cumulative") gradient with leave-one-
 right. ``+loo-fitted`` rows: the leave-one-out baseline times a scale cross-fitted on half of
 the batch; ``+loo-ema`` rows: times a per-position scale fitted on earlier batches
 (:class:`klest.LooScaleEMA`, one state per estimator, carried over the trials of part A and the
-steps of B and C); both in :mod:`klest.adaptive`, both meant never to do worse than no baseline
-or the full one. On random tabular policies with
+steps of B and C); both in :mod:`klest.sampled.baselines`, both meant never to do worse than
+no baseline or the full one. On random tabular policies with
 exact gradients (V = 3, T = 4, every sequence enumerable), three parts:
 
 A. bias and MSE of each gradient estimator against the exact gradient of KL(pi||ref), as a

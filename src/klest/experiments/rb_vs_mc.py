@@ -25,8 +25,8 @@ by five estimators, each averaged over the M samples (the paper's estimators are
 - ``rb``: the Rao-Blackwellized estimator, the exact next-token KL at every position along the
   sample, from both models' logits (``estimator="rb"``);
 - ``rb_cv``: ``rb`` plus :math:`\alpha (R(y) - 1)` with alpha fitted leave-one-out within the M
-  samples (klest's :func:`~klest.control_variates.fit_alpha` on the ``rb`` values). The paper
-  defines no such estimator; this is the natural one, added to see whether the sequence ratio
+  samples (klest's :func:`~klest.sampled.control_variates.fit_alpha` on the ``rb`` values). The
+  paper defines no such estimator; this is the natural one, added to see whether the sequence ratio
   still carries information once ``rb`` has removed the token-choice noise (at M = 1 it is
   ``rb``).
 
@@ -69,9 +69,6 @@ import torch
 from torch import Tensor
 
 from klest._progress import progress_bar
-from klest.aggregation import group_keys
-from klest.control_variates import fit_alpha
-from klest.estimators import control_term, kl_estimate
 from klest.experiments.reviews import (
     BOS_ID,
     ENTHUSIAST,
@@ -91,7 +88,11 @@ from klest.experiments.small_lms import (
     small_lm_session,
     trained_gpt2,
 )
-from klest.penalty import kl_penalty
+from klest.sampled.control_variates import fit_alpha
+from klest.sampled.estimators import kl_estimate
+from klest.sampled.groups import group_keys
+from klest.sampled.penalty import kl_penalty
+from klest.sampled.terms import control_term
 
 MS = (1, 5, 10)
 ESTIMATORS = ("mc", "cv1", "cv_fitted", "cv_batch", "rb", "rb_cv")

@@ -25,7 +25,6 @@ import numpy as np
 import torch
 
 from klest.audit import audit_value
-from klest.estimators import kl_estimate
 from klest.experiments.runner import (
     FALSE_ALARM,
     Experiment,
@@ -34,6 +33,7 @@ from klest.experiments.runner import (
     pyplot,
     table_threshold,
 )
+from klest.sampled.estimators import kl_estimate
 from klest.testbeds import GaussianTestbed, make_generator
 
 ESTIMATORS = ("k1", "k2", "k3")

@@ -19,9 +19,10 @@ from torch import Tensor
 
 from klest._checks import ArgumentNames, ValueChecks, named_by_caller, resolve_validate
 from klest._types import Baseline
-from klest.estimators import prepare_log_ratios
-from klest.penalty import kl_penalty
-from klest.surrogates import BaselineEMA, join
+from klest.sampled.baselines import BaselineEMA
+from klest.sampled.log_ratios import prepare_log_ratios
+from klest.sampled.penalty import kl_penalty
+from klest.surrogates import join
 
 PeerGrad = Literal["peer", "score", "cumulative", "rb"]
 """The gradient of a peer drop-in: ``"peer"`` (the peer's own: autodiff of its value, or its

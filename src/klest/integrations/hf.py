@@ -24,7 +24,7 @@ temperature. :func:`completion_batch` does this from logits you already have;
 :func:`completion_batch_from_model` runs the model (computing only the logits the completions
 need, where the model can). The results feed :func:`klest.kl_penalty` (``mask=batch.mask``,
 ``group=group_ids(...)``), :func:`klest.kl_estimate`, :func:`klest.kl_from_logits` and
-:func:`klest.rewards.kl_reward` directly.
+:func:`klest.kl_reward` directly.
 
 For tests, examples and experiments that may not download anything,
 :func:`klest.testbeds.tiny_causal_lm` and :func:`klest.testbeds.word_tokenizer` build a small

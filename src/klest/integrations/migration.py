@@ -27,7 +27,7 @@ from typing import Any, NamedTuple
 from torch import Tensor
 
 from klest.logits import kl_from_logits
-from klest.penalty import KLGradientWarning, kl_penalty
+from klest.sampled.penalty import KLGradientWarning, kl_penalty
 
 __all__ = [
     "AGGREGATIONS",

@@ -63,7 +63,8 @@ from klest.integrations._peer_gradient import (
     peer_log_ratios,
     with_klest_gradient,
 )
-from klest.surrogates import BaselineEMA, join
+from klest.sampled.baselines import BaselineEMA
+from klest.surrogates import join
 
 __all__ = ["Installed", "KLEstimatorName", "compute_approx_kl", "install"]
 

@@ -51,7 +51,7 @@ from klest._types import Baseline, Direction, Estimator, Grad, Reduction
 from klest.aggregation import WithDetails
 from klest.integrations.hf import group_ids_from_prompts
 from klest.logits import jsd_from_hidden
-from klest.penalty import (
+from klest.sampled.penalty import (
     EXACT_KL_BASELINES,
     GRADIENT_ESTIMATORS,
     KLGradientWarning,

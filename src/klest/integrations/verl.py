@@ -67,7 +67,8 @@ from klest.integrations._peer_gradient import (
     with_klest_gradient,
 )
 from klest.logits import kl_from_logits
-from klest.surrogates import BaselineEMA, join
+from klest.sampled.baselines import BaselineEMA
+from klest.surrogates import join
 
 __all__ = ["Installed", "KLPenaltyName", "LossAggMode", "agg_loss", "install", "kl_penalty"]
 

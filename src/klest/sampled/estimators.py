@@ -42,48 +42,43 @@ References:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from klest._checks import (
-    KLEST_NAMES,
-    ArgumentNames,
     ValueChecks,
     check_choice,
     check_direction,
-    check_float_tensor,
     check_group,
-    check_log_probs,
-    check_mask,
-    check_same_shape,
-    compute_dtype,
-    first_bad,
     resolve_validate,
 )
-from klest._masks import keep_valid, mask_bits
-from klest._numerics import exp_neg_tail, times_exp, x_exp, xexp_tail
-from klest._types import DEFAULT_REDUCTION, AlphaFit, Direction, Estimator, Level, Reduction
-from klest.aggregation import (
-    SEQUENCE_REDUCTIONS,
-    KLDiagnostics,
-    WithDetails,
-    as_rows,
-    diagnostics,
-    group_keys,
-    reduce_rows,
+from klest._types import DEFAULT_REDUCTION, Direction, Estimator, Level, Reduction
+from klest.aggregation import KLDiagnostics, WithDetails
+from klest.sampled.control_variates import Alpha
+from klest.sampled.groups import group_keys, group_sizes
+from klest.sampled.log_ratios import (
+    at_sequence_level,
+    check_level,
+    exact_position_kls,
+    prepare_log_ratios,
 )
-from klest.control_variates import AlphaEMA, fit_alpha
-from klest.logits.from_logits import position_kls as position_kls_from_logits
-from klest.sequence import prefix_weights
-from klest.surrogates import group_sizes
+from klest.sampled.terms import weighted
+from klest.sampled.values import Estimate, estimate_rows
 
-Alpha = float | Tensor | AlphaFit | AlphaEMA
-"""A control-variate coefficient: fixed (number, tensor), fitted (a name), or an AlphaEMA."""
+__all__ = [
+    "SMALL_GROUP",
+    "EstimateDetails",
+    "cv",
+    "f_divergence",
+    "k1",
+    "k2",
+    "k3",
+    "k_abs",
+    "kl_estimate",
+]
 
 
 class EstimateDetails(NamedTuple):
@@ -94,400 +89,6 @@ class EstimateDetails(NamedTuple):
     """
 
     diagnostics: KLDiagnostics
-
-
-@dataclass(frozen=True)
-class LogRatios:
-    """Validated inputs as ``[rows, T]`` tensors in the compute dtype.
-
-    ``delta`` and ``log_w`` are 0 at masked positions (so masked inputs never reach a value or
-    a gradient); ``valid`` is None when there is no mask (every position counts: no masking
-    pass is spent); ``shape`` is the caller's layout, for :func:`~klest.aggregation.reduce_rows`.
-    """
-
-    delta: Tensor
-    log_w: Tensor | None
-    valid: Tensor | None
-    shape: torch.Size
-    # log pi per row and token, 0 at masked positions, with the caller's graph; None at the
-    # sequence level (scores are per token: surrogates take the token-level LogRatios)
-    logp: Tensor | None
-    bits: Tensor | None = None  # klest._masks.mask_bits of valid for delta's dtype, for reuse
-
-    def valid_or_all(self) -> Tensor:
-        """``valid`` as a tensor (all True without a mask)."""
-        if self.valid is None:
-            return torch.ones_like(self.delta, dtype=torch.bool)
-        return self.valid
-
-
-def prepare_log_ratios(
-    logp: Tensor,
-    logp_ref: Tensor,
-    *,
-    logp_behavior: Tensor | None,
-    mask: Tensor | None,
-    checks: ValueChecks,
-    density: bool = False,
-    names: ArgumentNames = KLEST_NAMES,
-) -> LogRatios:
-    """Check log-probs and mask (value checks queued on ``checks``); per-row log-ratios.
-
-    ``density``: the inputs are log-densities of continuous samples (they may exceed 0);
-    ``names``: the caller's names of the arguments, and whether it takes ``density=True`` (the
-    message for values above 0 suggests it only then).
-    """
-    name, name_ref, name_behavior = names.logp, names.logp_ref, names.logp_behavior
-    density_hint = names.density_option
-    check_float_tensor(name, logp)
-    check_float_tensor(name_ref, logp_ref)
-    if logp_behavior is not None:
-        check_float_tensor(name_behavior, logp_behavior)
-    check_same_shape(**{name: logp, name_ref: logp_ref, name_behavior: logp_behavior})
-    keep = None
-    if mask is not None:
-        keep = check_mask(
-            mask, logp.shape, logp.device, checks, of="the log-probs", name=names.mask
-        )
-    dtype = compute_dtype(logp, logp_ref, logp_behavior)
-    valid = None if keep is None else as_rows(keep)
-    bits = None if valid is None else mask_bits(valid, dtype)
-
-    def rows(x: Tensor) -> Tensor:
-        """``[rows, T]`` in the compute dtype, 0 under the mask (which may hold anything)."""
-        x = as_rows(x).to(dtype)
-        return x if valid is None else keep_valid(x, valid, bits)
-
-    lp, lr = rows(logp), rows(logp_ref)
-    # Checked on the masked tensors (a 0 there passes every check), in the caller's layout.
-    sampler = "pi" if logp_behavior is None else "behavior"
-    for arg, x, original, allow_neg_inf, role in (
-        # Off-policy, pi may give a behavior sample probability 0.
-        (name, lp, logp, logp_behavior is not None, "a sample pi cannot produce"),
-        (name_ref, lr, logp_ref, True, ""),
-    ):
-        check_log_probs(
-            arg,
-            x.reshape(original.shape),
-            checks,
-            allow_neg_inf=allow_neg_inf,
-            role=role,
-            density=density,
-            density_hint=density_hint,
-            rounding_of=original.dtype,
-        )
-    delta = lp - lr
-    log_w = None
-    if logp_behavior is not None:
-        lb = rows(logp_behavior)
-        check_log_probs(
-            name_behavior,
-            lb.reshape(logp_behavior.shape),
-            checks,
-            allow_neg_inf=False,
-            role=f"a sample {sampler} cannot produce",
-            density=density,
-            density_hint=density_hint,
-            rounding_of=logp_behavior.dtype,
-        )
-        log_w = lp - lb
-        # A behavior sample that pi cannot produce has weight 0 and contributes 0 (its log-prob
-        # is 0 for the score terms: it has no score).
-        producible = lp > -math.inf
-        delta = torch.where(producible, delta, 0.0)
-        lp = torch.where(producible, lp, 0.0)
-    return LogRatios(delta, log_w, valid, logp.shape, lp, bits)
-
-
-def at_sequence_level(lr: LogRatios) -> LogRatios:
-    """One log-ratio (and log-weight) per row: the sums over its tokens, ``[rows, 1]`` (no
-    ``logp``: scores stay per token)."""
-    if len(lr.shape) < 2:
-        return lr  # a 1-D input holds independent samples: each is its own sequence
-    return LogRatios(
-        lr.delta.sum(-1, keepdim=True),
-        None if lr.log_w is None else lr.log_w.sum(-1, keepdim=True),
-        None if lr.valid is None else lr.valid.any(-1, keepdim=True),
-        torch.Size((*lr.shape[:-1], 1)),
-        None,
-    )
-
-
-@dataclass(frozen=True)
-class RatioTerms:
-    """Per-element pieces of one direction: ``naive`` (k1), ``k3`` and the zero-mean ``u``.
-
-    ``cv(alpha) = naive + alpha * u = k3 + (alpha - 1) * u``; ``E_pi[u] = 0``.
-    """
-
-    naive: Tensor
-    k3: Tensor
-    u: Tensor
-
-
-def naive_term(delta: Tensor, direction: str) -> Tensor:
-    """k1 of ``direction``: ``delta`` (KL(pi||ref)) or ``r log r`` (KL(ref||pi))."""
-    return delta if direction == "pi||ref" else x_exp(-delta)
-
-
-def k3_term(delta: Tensor, direction: str) -> Tensor:
-    """k3 of ``direction``, without cancellation near r = 1."""
-    return exp_neg_tail(delta) if direction == "pi||ref" else xexp_tail(-delta)
-
-
-def control_term(delta: Tensor, direction: str) -> Tensor:
-    """The zero-mean control variate of ``direction``: ``r - 1`` or ``-(r - 1)``."""
-    u = torch.expm1(-delta)
-    return u if direction == "pi||ref" else -u
-
-
-def ratio_terms(delta: Tensor, direction: str) -> RatioTerms:
-    """The k1 / k3 / control-variate terms of ``direction`` at log-ratios ``delta``."""
-    return RatioTerms(
-        naive_term(delta, direction), k3_term(delta, direction), control_term(delta, direction)
-    )
-
-
-def _control_variate(delta: Tensor, direction: str, coef: Tensor) -> Tensor:
-    r"""``naive + coef * u``, to a few ulps of its terms, and never ``inf - inf``.
-
-    Two exact forms: ``k3 + (coef - 1) u`` (k3 is computed without cancellation, so this is
-    exact near r = 1 for coef near 1) and ``naive + coef * u``. Each element uses the one whose
-    terms are smaller in magnitude (its rounding error is a few ulps of them); e.g. coef = 0 at
-    small r takes the second, which is k1 itself rather than ``k3 - u``.
-
-    Where neither is finite, r = e^{-delta} (or a product with it) has overflowed; the first
-    form is then ``inf - inf`` for coef < 1. There the value is written with one exponential,
-    with :math:`x = \log r = -\delta`:
-
-    - KL(pi||ref): :math:`\alpha e^x - x - \alpha`,
-    - KL(ref||pi): :math:`(x - \alpha) e^x + \alpha`,
-
-    whose ``c e^x`` term (:func:`~klest._numerics.times_exp`) is finite when the product is and
-    the correctly signed infinity otherwise: so the result is the true value, or the true
-    value's infinite limit once it is past the dtype's range; never NaN.
-    """
-
-    def near_forms(t: RatioTerms) -> Tensor:
-        bregman = t.k3 + (coef - 1.0) * t.u
-        plain = t.naive + coef * t.u
-        with torch.no_grad():
-            use_plain = t.naive.abs() + coef.abs() * t.u.abs() < (
-                t.k3.abs() + (coef - 1.0).abs() * t.u.abs()
-            )
-        return torch.where(use_plain, plain, bregman)
-
-    near = near_forms(ratio_terms(delta, direction))
-    with torch.no_grad():
-        far = ~torch.isfinite(near)
-    zero = torch.zeros_like(delta)
-    if torch.is_grad_enabled() and (delta.requires_grad or coef.requires_grad):
-        # Recompute each form with inputs valid for it, so neither backward sees inf * 0.
-        near = near_forms(ratio_terms(torch.where(far, zero, delta), direction))
-    # Both forms for every element (no host synchronisation to ask whether any is far).
-    x = -torch.where(far, delta, zero)
-    if direction == "pi||ref":
-        far_value = times_exp(coef, x) - x - coef
-    else:
-        far_value = times_exp(x - coef, x) + coef
-    return torch.where(far, far_value, near)
-
-
-def per_token_values(
-    delta: Tensor, estimator: str, direction: str, *, alpha: float | Tensor | None = None
-) -> Tensor:
-    """Elementwise on-policy estimator values at log-ratios ``delta`` (fixed alpha for ``cv``).
-
-    No validation or masking: the building block that :func:`kl_estimate` and exact
-    expectations (``Testbed.expectation``) share. Each estimator evaluates only its own terms
-    (k1 and k2 no exponential).
-    """
-    if estimator == "k2":
-        return 0.5 * delta * delta
-    if estimator in ("k1", "abs"):
-        naive = naive_term(delta, direction)
-        return naive.abs() if estimator == "abs" else naive
-    if estimator == "k3":
-        return k3_term(delta, direction)
-    if estimator != "cv":
-        raise ValueError(f"per_token_values computes k1, k2, k3, abs and cv, not {estimator!r}")
-    if not isinstance(alpha, int | float | Tensor):
-        raise ValueError(f"per_token_values needs a fixed alpha for 'cv', got {alpha!r}")
-    if isinstance(alpha, Tensor):
-        coef = alpha.to(dtype=delta.dtype, device=delta.device)
-    else:  # a fill, not a copy from the host (which waits for the GPU)
-        coef = torch.full((), float(alpha), dtype=delta.dtype, device=delta.device)
-    return _control_variate(delta, direction, coef)
-
-
-def weighted(x: Tensor, log_w: Tensor | None) -> Tensor:
-    """``w x`` with ``w = e^{log_w}``; a zero value stays 0 when ``w`` overflows (no inf * 0)."""
-    return x if log_w is None else times_exp(x, log_w)
-
-
-def rb_weights(lr: LogRatios, direction: str) -> Tensor | float:
-    r"""Detached weight of each position's exact KL: :math:`W_{<n}`, times :math:`R_{<n}` for
-    KL(ref||pi) (the prefix ratio turns an expectation over pi's prefixes into one over ref's).
-    """
-    w = prefix_weights(lr.log_w, inclusive=False)
-    if direction == "pi||ref":
-        return w
-    d = lr.delta.detach()
-    return w * torch.exp(-(d.cumsum(-1) - d))
-
-
-def _resolve_alpha(
-    alpha: Alpha | None, lr: LogRatios, direction: str, keys: Tensor | None, checks: ValueChecks
-) -> Tensor:
-    """The coefficient as a tensor broadcastable to ``[rows, T]`` (detached when fitted)."""
-    dtype, device = lr.delta.dtype, lr.delta.device
-    if alpha is None:
-        raise ValueError(
-            "estimator 'cv' needs alpha: a number, a tensor, 'loo', 'crossfit', 'in-sample', "
-            "or an AlphaEMA"
-        )
-    if isinstance(alpha, str | AlphaEMA):
-        a = weighted(naive_term(lr.delta, direction), lr.log_w)
-        b = weighted(control_term(lr.delta, direction), lr.log_w)
-        if isinstance(alpha, AlphaEMA):
-            return alpha(a, b, lr.valid_or_all()).to(dtype)
-        return fit_alpha(a, b, lr.valid_or_all(), alpha, keys=keys).to(dtype).unsqueeze(-1)
-    if isinstance(alpha, Tensor):
-        alpha = alpha.detach().to(device=device, dtype=dtype)
-        checks.add(
-            ~torch.isfinite(alpha),
-            lambda f: (
-                f"alpha must be finite (a NaN or inf coefficient makes every value NaN); "
-                f"it is not at {first_bad(f)}"
-            ),
-        )
-        if alpha.numel() == 1:
-            return alpha.reshape(())
-        if alpha.shape != lr.shape:
-            raise ValueError(
-                f"alpha has shape {tuple(alpha.shape)}; it must be a scalar or match the "
-                f"estimate's per-element shape {tuple(lr.shape)}"
-            )
-        return as_rows(alpha)
-    if isinstance(alpha, int | float) and not isinstance(alpha, bool):
-        if not math.isfinite(alpha):
-            raise ValueError(f"alpha must be finite, got {alpha}")
-        # A fill, not a copy from the host (which waits for the GPU).
-        return torch.full((), float(alpha), dtype=dtype, device=device)
-    raise TypeError(f"alpha must be a number, tensor, str or AlphaEMA, got {type(alpha).__name__}")
-
-
-@dataclass(frozen=True)
-class Estimate:
-    """Per-row values of one estimator at one level, ready for reduction.
-
-    ``values`` ``[rows, T]`` (``[rows, 1]`` at the sequence level) are 0 where ``valid`` is
-    False (``valid`` None: every position counts); ``shape`` is the layout
-    :func:`~klest.aggregation.reduce_rows` restores; ``coef`` is the control-variate coefficient
-    used (``cv`` only).
-    """
-
-    values: Tensor
-    valid: Tensor | None
-    shape: torch.Size
-    coef: Tensor | None = None
-
-    def reduce(self, reduction: str) -> Tensor:
-        return reduce_rows(self.values, self.valid, reduction, self.shape)
-
-    def diagnostics(self, reduction: str) -> KLDiagnostics:
-        return diagnostics(self.values, self.valid, reduction=reduction, alpha=self.coef)
-
-
-def estimate_rows(
-    lr: LogRatios,
-    *,
-    estimator: str,
-    direction: str,
-    level: str,
-    alpha: Alpha | None,
-    keys: Tensor | None,
-    kls: Tensor | None,
-    checks: ValueChecks,
-) -> Estimate:
-    """The values of ``estimator`` for validated log-ratios (``kls``: exact per-position KLs
-    ``[rows, T]`` for ``"rb"``)."""
-    if estimator == "rb":
-        assert kls is not None  # 0 at masked positions
-        est = Estimate(rb_weights(lr, direction) * kls, lr.valid, lr.shape)
-        if level == "sequence" and len(lr.shape) >= 2:
-            seq = at_sequence_level(lr)
-            est = Estimate(est.values.sum(-1, keepdim=True), seq.valid, seq.shape)
-        return est
-    lr = at_sequence_level(lr) if level == "sequence" else lr
-    coef = _resolve_alpha(alpha, lr, direction, keys, checks) if estimator == "cv" else None
-    if estimator == "cv":
-        values = _control_variate(lr.delta, direction, coef)
-    else:
-        values = per_token_values(lr.delta, estimator, direction)
-    values = weighted(values, lr.log_w)
-    # delta is 0 at masked positions, where k1, k2, k3 and abs are exactly 0 already.
-    if lr.valid is not None and (estimator == "cv" or lr.log_w is not None):
-        values = torch.where(lr.valid, values, 0.0)
-    return Estimate(values, lr.valid, lr.shape, coef)
-
-
-def check_level(level: object, reduction: str) -> None:
-    check_choice("level", level, Level)
-    if level == "sequence" and reduction not in SEQUENCE_REDUCTIONS:
-        raise ValueError(
-            f"reduction {reduction!r} needs per-token values; with level='sequence' use one of "
-            f"{', '.join(map(repr, SEQUENCE_REDUCTIONS))}"
-        )
-
-
-def exact_position_kls(
-    logits: Tensor | None,
-    logits_ref: Tensor | None,
-    logp: Tensor,
-    lr: LogRatios,
-    *,
-    position_kls: Tensor | None = None,
-    direction: str,
-    checks: ValueChecks,
-    why: str,
-) -> Tensor:
-    """The exact per-position KLs ``[rows, T]``: from logits ``logp.shape + (V,)``, or given.
-
-    ``position_kls`` (``logp.shape``, e.g. from :func:`klest.kl_from_hidden` with
-    ``reduction="none"``) keeps its graph only where gradients are being recorded.
-    """
-    if position_kls is not None:
-        if logits is not None or logits_ref is not None:
-            raise ValueError("pass either position_kls or logits and logits_ref, not both")
-        check_float_tensor("position_kls", position_kls)
-        check_same_shape(logp=logp, position_kls=position_kls)
-        kls = position_kls if torch.is_grad_enabled() else position_kls.detach()
-        kls = as_rows(kls).to(lr.delta.dtype)
-        bad = ~torch.isfinite(kls)
-        checks.add(
-            bad if lr.valid is None else bad & lr.valid,
-            lambda flags: f"position_kls is NaN or infinite at {first_bad(flags)}",
-        )
-        return kls if lr.valid is None else torch.where(lr.valid, kls, 0.0)
-    if logits is None or logits_ref is None:
-        raise ValueError(
-            f"{why} needs the full next-token distributions: pass logits and logits_ref "
-            f"(shape logp.shape + (V,) = {tuple(logp.shape)} + (V,)), or their exact "
-            "per-position KLs as position_kls"
-        )
-    for name, t in (("logits", logits), ("logits_ref", logits_ref)):
-        check_float_tensor(name, t, what="logits")
-        if t.shape[:-1] != logp.shape:
-            raise ValueError(
-                f"{name} has shape {tuple(t.shape)}; expected logp's shape {tuple(logp.shape)} "
-                "plus a vocabulary dimension"
-            )
-    keep = None if lr.valid is None else lr.valid.reshape(logp.shape)
-    kls = position_kls_from_logits(
-        logits, logits_ref, direction=direction, keep=keep, checks=checks
-    )
-    return as_rows(kls).to(lr.delta.dtype)
 
 
 SMALL_GROUP = 10
@@ -530,7 +131,7 @@ def kl_estimate(
         KL(\pi\|ref) = E_{x\sim\pi}[\log \pi(x) - \log ref(x)], \qquad
         KL(ref\|\pi) = E_{x\sim ref}[\log ref(x) - \log \pi(x)] = E_{x\sim\pi}[r \log r]
 
-    with :math:`r = ref(x) / \pi(x)`; the estimators are tabled in :mod:`klest.estimators`.
+    with :math:`r = ref(x) / \pi(x)`; the estimators are tabled in :mod:`klest.sampled.estimators`.
 
     Samples: ``x ~ pi`` (on-policy), or ``x ~ behavior`` when ``logp_behavior`` is given, in
     which case every value is weighted by :math:`w = \pi(x)/behavior(x)` (per token; per

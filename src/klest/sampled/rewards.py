@@ -72,9 +72,12 @@ from klest._checks import (
 )
 from klest._types import Direction, Estimator
 from klest.aggregation import as_rows
-from klest.estimators import per_token_values, prepare_log_ratios
-from klest.penalty import KLGradientWarning
-from klest.sequence import sum_from_here
+from klest.sampled.log_ratios import prepare_log_ratios
+from klest.sampled.penalty import KLGradientWarning
+from klest.sampled.sequence import sum_from_here
+from klest.sampled.terms import per_token_values
+
+__all__ = ["kl_reward"]
 
 # Columns per block of the discounted scan: a [K, K] matrix of discount powers per block.
 _BLOCK = 64
@@ -134,7 +137,7 @@ def kl_reward(
 
     Samples: sequences :math:`y \sim \pi` (on-policy: the log-probs of pi's own completions).
     With k1 and ``discount=1``, :math:`E[-\beta \sum_t s_t G_t] = -\beta\,\nabla KL(\pi\|ref)`,
-    the gradient of the sequence KL (module docstring: :mod:`klest.rewards`). Other estimators
+    the gradient of the sequence KL (see :mod:`klest.sampled.rewards`). Other estimators
     warn (k3's score gradient is :math:`\nabla KL(\pi\|ref)` minus the per-position
     :math:`\nabla KL(ref_t\|\pi_t)`); ``direction="ref||pi"`` and ``"rb"`` / ``"cv"`` are refused.
 

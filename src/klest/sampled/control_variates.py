@@ -24,14 +24,21 @@ Tech Inspire article on KL divergence and its Monte Carlo estimation; ``alpha = 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-from klest._checks import check_choice, check_decay
+from klest._checks import ValueChecks, check_choice, check_decay, first_bad
 from klest._state import keep_float64
 from klest._types import AlphaFit
+from klest.aggregation import as_rows
+from klest.sampled.groups import position_in_group
+from klest.sampled.log_ratios import LogRatios
+from klest.sampled.terms import control_term, naive_term, weighted
+
+__all__ = ["Alpha", "AlphaEMA", "fit_alpha", "resolve_alpha"]
 
 
 @dataclass(frozen=True)
@@ -82,21 +89,6 @@ def _alpha(s: _Sums) -> Tensor:
     return torch.where(ok, -cov / torch.where(ok, var, 1.0), 0.0)
 
 
-def _position_in_group(keys: Tensor, counted: Tensor | None = None) -> Tensor:
-    """0, 1, 2, ... for the rows of each group (rows sharing a key), in row order.
-
-    ``counted`` (bool ``[rows]``): only these rows are numbered within their group; the others
-    (empty rows) are numbered apart, so that a padding row changes no other row's number.
-    """
-    if counted is not None:
-        keys = torch.where(counted, keys, keys + keys.numel())
-    sorted_keys, order = torch.sort(keys, stable=True)
-    first = torch.searchsorted(sorted_keys, sorted_keys, right=False)
-    pos = torch.empty_like(keys)
-    pos[order] = torch.arange(keys.numel(), device=keys.device) - first
-    return pos
-
-
 def fit_alpha(
     a: Tensor, b: Tensor, valid: Tensor, method: AlphaFit, *, keys: Tensor | None = None
 ) -> Tensor:
@@ -129,7 +121,7 @@ def fit_alpha(
         return _alpha(totals)
     if method == "loo":
         return _alpha(totals.minus(per_row))
-    fold = keys * 2 + _position_in_group(keys, valid.any(-1)) % 2
+    fold = keys * 2 + position_in_group(keys, valid.any(-1)) % 2
     own_fold = per_row.pool(fold, 2 * rows).take(fold)
     return _alpha(totals.minus(own_fold))
 
@@ -208,3 +200,48 @@ class AlphaEMA(nn.Module):
 
     def extra_repr(self) -> str:
         return f"decay={self.decay}, init={self.init}"
+
+
+Alpha = float | Tensor | AlphaFit | AlphaEMA
+"""A control-variate coefficient: fixed (number, tensor), fitted (a name), or an AlphaEMA."""
+
+
+def resolve_alpha(
+    alpha: Alpha | None, lr: LogRatios, direction: str, keys: Tensor | None, checks: ValueChecks
+) -> Tensor:
+    """The coefficient as a tensor broadcastable to ``[rows, T]`` (detached when fitted)."""
+    dtype, device = lr.delta.dtype, lr.delta.device
+    if alpha is None:
+        raise ValueError(
+            "estimator 'cv' needs alpha: a number, a tensor, 'loo', 'crossfit', 'in-sample', "
+            "or an AlphaEMA"
+        )
+    if isinstance(alpha, str | AlphaEMA):
+        a = weighted(naive_term(lr.delta, direction), lr.log_w)
+        b = weighted(control_term(lr.delta, direction), lr.log_w)
+        if isinstance(alpha, AlphaEMA):
+            return alpha(a, b, lr.valid_or_all()).to(dtype)
+        return fit_alpha(a, b, lr.valid_or_all(), alpha, keys=keys).to(dtype).unsqueeze(-1)
+    if isinstance(alpha, Tensor):
+        alpha = alpha.detach().to(device=device, dtype=dtype)
+        checks.add(
+            ~torch.isfinite(alpha),
+            lambda f: (
+                f"alpha must be finite (a NaN or inf coefficient makes every value NaN); "
+                f"it is not at {first_bad(f)}"
+            ),
+        )
+        if alpha.numel() == 1:
+            return alpha.reshape(())
+        if alpha.shape != lr.shape:
+            raise ValueError(
+                f"alpha has shape {tuple(alpha.shape)}; it must be a scalar or match the "
+                f"estimate's per-element shape {tuple(lr.shape)}"
+            )
+        return as_rows(alpha)
+    if isinstance(alpha, int | float) and not isinstance(alpha, bool):
+        if not math.isfinite(alpha):
+            raise ValueError(f"alpha must be finite, got {alpha}")
+        # A fill, not a copy from the host (which waits for the GPU).
+        return torch.full((), float(alpha), dtype=dtype, device=device)
+    raise TypeError(f"alpha must be a number, tensor, str or AlphaEMA, got {type(alpha).__name__}")

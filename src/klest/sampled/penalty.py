@@ -18,7 +18,7 @@ Gradient estimators (``grad=``; the table ``GRADIENT_ESTIMATORS`` holds each one
 ``stl``        same with log pi's parameters stopped ("sticking the         grad KL(pi||ref)
                landing"; drops a zero-mean term)
 ``adaptive``   autodiff of k1 + c (k3 - k1), c fitted on the other rows to  grad of the KL
-               lower the variance (:mod:`klest.adaptive`)
+               lower the variance (:mod:`klest.sampled.baselines`)
 ``score``      KL(pi||ref): :math:`W (\sum_t s_t)(\sum_u \rho_u - b)`;      grad of the KL
                KL(ref||pi): :math:`-W (\sum_t s_t)(R - b)`
 ``cumulative`` KL(pi||ref): :math:`\sum_t s_t (\sum_{u\ge t} W_{\le u}          grad of the KL
@@ -43,14 +43,8 @@ is the pathwise gradient of the value (unbiased for an unbiased value; k3's has 
 in high dimensions, which is why the Chimera estimator takes k3's value and k1's gradient).
 
 Baselines (``baseline=``) apply to ``score``, ``cumulative`` and ``rb`` (KL(pi||ref)): see
-:mod:`klest.surrogates`. Per-position baselines align completions at their first valid token.
-With validation on, whether some row is left-padded (the only case where aligning changes
-anything) is read with the value checks, and a right-padded batch skips the alignment's passes;
-the surrogate is built first for the layout of the previous validated call (and once more,
-aligned, when that guessed wrong: no extra read). The loss and gradient are the same, bit for
-bit, either way. The one difference: after a wrong guess, the finiteness check reads the
-unaligned surrogate, whose baseline sums can overflow where the aligned one's do not, or the
-other way round (targets near the dtype's largest value).
+:mod:`klest.sampled.baselines`. Per-position baselines align completions at their first valid
+token, so left- and right-padded batches give the same loss and gradient.
 
 The exact-KL baselines (``"exact-kl"``, ``"exact-kl+loo"``; KL(pi||ref), ``cumulative`` and
 ``token``, with ``logits``/``logits_ref`` or ``position_kls``) subtract from token t's target
@@ -78,7 +72,7 @@ References:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
@@ -107,21 +101,24 @@ from klest._types import (
     Level,
     Reduction,
 )
-from klest.adaptive import LooScaleEMA, baseline_scale, mix_coefficient
-from klest.aggregation import KLDiagnostics, WithDetails, as_rows, group_keys
-from klest.estimators import (
-    Alpha,
-    Estimate,
+from klest.aggregation import KLDiagnostics, WithDetails, as_rows
+from klest.sampled.baselines import (
+    BaselineEMA,
+    LooScaleEMA,
+    baseline_scale,
+    exact_kl_baseline,
+    group_baseline,
+    mix_coefficient,
+)
+from klest.sampled.control_variates import Alpha
+from klest.sampled.groups import group_keys
+from klest.sampled.log_ratios import (
     LogRatios,
     check_level,
-    estimate_rows,
     exact_position_kls,
-    k3_term,
-    naive_term,
     prepare_log_ratios,
-    rb_weights,
 )
-from klest.sequence import (
+from klest.sampled.sequence import (
     align_left,
     first_token,
     prefix_weights,
@@ -129,13 +126,18 @@ from klest.sequence import (
     sum_from_here,
     unalign,
 )
-from klest.surrogates import (
-    BaselineEMA,
-    exact_kl_baseline,
-    group_baseline,
-    join,
-    starts_late,
-)
+from klest.sampled.terms import k3_term, naive_term
+from klest.sampled.values import Estimate, estimate_rows, rb_weights
+from klest.surrogates import join
+
+__all__ = [
+    "EXACT_KL_BASELINES",
+    "GRADIENT_ESTIMATORS",
+    "GradientEstimator",
+    "KLGradientWarning",
+    "PenaltyDetails",
+    "kl_penalty",
+]
 
 
 class KLGradientWarning(UserWarning):
@@ -172,7 +174,6 @@ class SurrogateInputs:
     keys: Tensor | None
     kls: Tensor | None
     stl_delta: Tensor | None
-    align: bool = True  # False: no row starts after column 0 (group baselines skip alignment)
 
     @property
     def on_policy(self) -> bool:
@@ -214,16 +215,13 @@ class SurrogateInputs:
                 keys = torch.zeros(targets.shape[0], dtype=torch.int64, device=targets.device)
             if isinstance(self.baseline, LooScaleEMA):
                 return self.baseline(targets, valid, keys)
-            align = self.align
             if self.baseline == "loo-fitted":
-                scale = baseline_scale(targets, valid, keys, align=align)
-                return scale * group_baseline(targets, valid, "loo", keys, align=align)
+                scale = baseline_scale(targets, valid, keys)
+                return scale * group_baseline(targets, valid, "loo", keys)
             if self.baseline in EXACT_KL_BASELINES:
                 assert self.kls is not None
-                return exact_kl_baseline(targets, valid, self.kls, self.baseline, keys, align=align)
-            same = valid is self.lr.valid and targets.dtype == self.lr.delta.dtype
-            bits = self.lr.bits if same else None
-            return group_baseline(targets, valid, self.baseline, keys, align=align, bits=bits)
+                return exact_kl_baseline(targets, valid, self.kls, self.baseline, keys)
+            return group_baseline(targets, valid, self.baseline, keys)
         if targets.shape[-1] == 1:
             return self.baseline(targets, valid)
         first = first_token(valid)
@@ -536,7 +534,7 @@ def kl_penalty(
         \text{loss} = \mathrm{sg}(\widehat{KL}_{estimator}) + S_{grad} - \mathrm{sg}(S_{grad}),
         \qquad E[\nabla S_{grad}] = \nabla KL(\pi\|ref) \text{ (or } KL(ref\|\pi))
 
-    for the unbiased gradient estimators (each surrogate is in :mod:`klest.penalty`).
+    for the unbiased gradient estimators (each surrogate is in :mod:`klest.sampled.penalty`).
 
     Samples: sequences y ~ pi (or ~ behavior with ``logp_behavior``); for ``grad="pathwise"`` /
     ``"stl"``, continuous samples x = g(theta, eps) reparameterized through pi's parameters
@@ -562,8 +560,9 @@ def kl_penalty(
         sequence) or ``"none"`` (one loss per token, ``[..., T]``, summing to the per-sequence
         losses in value and gradient).
       baseline: ``"loo"``, ``"mean"``, ``"loo-fitted"`` (leave-one-out times a cross-fitted
-        scale in [0, 1]: :mod:`klest.adaptive`), a :class:`~klest.LooScaleEMA` (leave-one-out
-        times a per-position scale fitted on earlier batches) or a :class:`~klest.BaselineEMA`, for
+        scale in [0, 1]: :mod:`klest.sampled.baselines`), a :class:`~klest.LooScaleEMA`
+        (leave-one-out times a per-position scale fitted on earlier batches) or a
+        :class:`~klest.BaselineEMA`, for
         ``score``, ``cumulative`` and ``rb``; ``"exact-kl"`` (vOPD: each token's exact
         per-position KL, from ``logits``/``logits_ref`` or ``position_kls``) or
         ``"exact-kl+loo"`` (plus the leave-one-out mean of the residuals), for ``cumulative``
@@ -697,35 +696,13 @@ def kl_penalty(
             kls=kls,
             checks=checks,
         )
-    # A stateless group baseline per position aligns rows at their first valid token, which
-    # changes nothing unless a row is left-padded. With validation on, whether one is rides on
-    # the checks' one read: the surrogate is built for the layout of the previous such call, and
-    # rebuilt aligned if that guessed "not left-padded" wrongly (no extra read).
-    probe = (
-        checks.enabled
-        and isinstance(baseline, str)
-        and baseline != "exact-kl"
-        and grad != "score"
-        and lr.valid is not None
-        and lr.delta.shape[-1] > 1
-    )
-    guess = _LAYOUT.guess_left_padded if probe else True
-    if probe:
-        assert lr.valid is not None
-        checks.probe(starts_late(lr.valid))
-    inputs = SurrogateInputs(
-        lr, lr.logp, direction, value, baseline, keys, kls, stl_delta, align=guess
-    )
+    inputs = SurrogateInputs(lr, lr.logp, direction, value, baseline, keys, kls, stl_delta)
     value_out = value.reduce(reduction)
     surrogate_out = est.surrogate(inputs).reduce(reduction)
     check_finite_surrogate(
         surrogate_out, checks, _surrogate_explanation(logp, logp_ref, lr, direction, names)
     )
-    probes = checks.run()
-    if probe:
-        _LAYOUT.guess_left_padded = left_padded = probes[0]
-        if left_padded and not guess:
-            surrogate_out = est.surrogate(replace(inputs, align=True)).reduce(reduction)
+    checks.run()
     loss = surrogate_out if grad == "autodiff" else join(value_out, surrogate_out)
     if not return_details:
         return loss
@@ -741,16 +718,6 @@ def kl_penalty(
         n_singleton_samples=singletons,
     )
     return WithDetails(loss, details)
-
-
-class _LayoutGuess:
-    """Whether the last validated call with a per-position group baseline had a left-padded row
-    (:func:`kl_penalty` builds the next surrogate for that layout first)."""
-
-    guess_left_padded = False
-
-
-_LAYOUT = _LayoutGuess()
 
 
 def _warn_about_gradient(
@@ -770,7 +737,7 @@ def _warn_about_gradient(
         _warn(
             f"grad='autodiff' of estimator={estimator!r} on sampled tokens is not an unbiased "
             f"gradient of KL({direction}) (k1: mean 0; k3/cv: the other direction; see "
-            "klest.penalty); use grad='cumulative', 'score' or 'rb'"
+            "klest.sampled.penalty); use grad='cumulative', 'score' or 'rb'"
         )
     if est.name == "token" and logp.ndim >= 2 and logp.shape[-1] > 1:
         _warn(

@@ -1,9 +1,34 @@
-r"""Coefficients fitted on *other* samples: the k1/k3 mix of ``grad="adaptive"`` and the scale
-of ``baseline="loo-fitted"``.
+r"""Baselines and fitted coefficients of the gradient estimators, each independent of the sample
+it is applied to, so that every gradient stays unbiased.
 
-Both combine an unbiased gradient with a zero-mean term, ``g_i + c_i z_i`` with
-:math:`E[z_i] = 0`, and choose :math:`c_i` to lower the variance. The estimate stays unbiased
-when :math:`c_i` does not depend on sample i (:math:`E[c_i z_i] = E[c_i] E[z_i] = 0`), so every
+A score-function surrogate :math:`\log\pi(y)\,\mathrm{sg}(A)` may subtract a baseline :math:`b`
+from :math:`A` without changing its expected gradient when :math:`b` does not depend on the
+sample it multiplies (:math:`E[b\,\nabla\log\pi(y)] = E[b]\,E[\nabla\log\pi(y)] = 0`):
+
+- ``"loo"`` (:func:`group_baseline`): the mean of the *other* samples of the same group
+  (leave-one-out; unbiased). A sample alone in its group (gradient accumulation can split a
+  prompt's samples) gets 0;
+- ``"mean"``: the group mean *including* the sample itself: it scales the expected gradient by
+  ``1 - 1/n`` (biased; offered because it is common);
+- ``"loo-fitted"``: the leave-one-out baseline times a scale in [0, 1] cross-fitted on the
+  other half of the batch (:func:`baseline_scale`; unbiased), so a baseline never costs much;
+- :class:`BaselineEMA`: a moving average of earlier batches (unbiased);
+- :class:`LooScaleEMA`: the leave-one-out baseline times a per-position scale fitted on
+  earlier batches (unbiased);
+- ``"exact-kl"`` (:func:`exact_kl_baseline`): at each position t of a sequence, the exact
+  :math:`KL_t(y_{<t}) = KL(\pi(\cdot|y_{<t})\|ref(\cdot|y_{<t})) = E[\rho_t|y_{<t}]` from the
+  logits (it depends on the prefix only, so it is unbiased); ``"exact-kl+loo"`` adds the
+  leave-one-out mean of the other samples' residual targets :math:`A_t - KL_t`.
+
+Per-position baselines compare the t-th token of each completion: rows are aligned at their
+first valid token (:func:`klest.sampled.sequence.align_left`), so left- and right-padded
+batches give the same result. A baseline is not free: it adds the noise of its own estimate.
+
+**Fitted coefficients** (:func:`mix_coefficient` of ``grad="adaptive"``, :func:`baseline_scale`
+of ``baseline="loo-fitted"``, :class:`LooScaleEMA`) combine an unbiased gradient with a
+zero-mean term, ``g_i + c_i z_i`` with :math:`E[z_i] = 0`, and choose :math:`c_i` to lower the
+variance. The estimate stays unbiased when :math:`c_i` does not depend on sample i
+(:math:`E[c_i z_i] = E[c_i] E[z_i] = 0`), so every
 coefficient here is computed without the row it multiplies.
 
 **The k1/k3 mix** (reparameterized samples). Per token, k1 and k3 are both functions of the
@@ -41,12 +66,11 @@ large. klest cross-fits the regression itself: the rows of each group are split 
 the fold*, :math:`\lambda = \sum_j A_j B'_j / \sum_j B'^2_j` (over the positions where ``B'_j``
 exists, pooled over groups), clipped to [0, 1], is applied to the other fold. ``B'`` averages
 fewer rows than ``B`` (m' = m/2 - 1 or so), so this estimates :math:`\mu^2/(\mu^2 +
-\sigma^2/m')`: smaller than :math:`\lambda^*`, on purpose. Correcting it to m (the formula
-above) was measured to overshoot the best fixed scale at low KL (0.5 against 0.25 on a tabular
-policy, batches of 8), because the score's norm and the correlations between positions that the
-formula ignores pull the optimum down; the cross-fitted regression undershoots instead, which at
-high KL costs a few percent against the full baseline and at low KL saves most of what the full
-baseline loses. Nothing in it depends on the rows it is applied to.
+\sigma^2/m')`: smaller than :math:`\lambda^*`, on purpose. Corrected to m (the formula above)
+it would overshoot the best fixed scale at low KL, because the score's norm and the correlations
+between positions that the formula ignores pull the optimum down; the cross-fitted regression
+undershoots instead, which at high KL costs a few percent against the full baseline and at low
+KL saves most of what the full baseline loses. Nothing in it depends on the rows it is applied to.
 
 References: the control-variate view of baselines and k3 in "Approximating KL Divergence" by
 John Schulman (2020, http://joschu.net/blog/kl-approx.html); k1's pathwise gradient against
@@ -62,12 +86,149 @@ import torch
 from torch import Tensor
 
 from klest._checks import check_decay, check_flag
-from klest.control_variates import _position_in_group
-from klest.sequence import align_left, first_token, unalign
-from klest.surrogates import Float64EMAState, group_baseline
+from klest._state import Float64EMAState
+from klest.sampled.groups import position_in_group
+from klest.sampled.sequence import align_left, first_token, unalign
+
+__all__ = [
+    "BaselineEMA",
+    "LooScaleEMA",
+    "baseline_scale",
+    "exact_kl_baseline",
+    "group_baseline",
+    "mix_coefficient",
+    "mix_multipliers",
+]
 
 # Relative size below which a sum of squares is rounding noise (float64 sums).
 _TINY = 1e-12
+
+
+def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> Tensor:
+    """Leave-one-out (``"loo"``) or mean baseline of ``targets`` ``[rows, T]`` within each group.
+
+    ``keys`` ``[rows]`` are group keys (:func:`klest.sampled.groups.group_keys`). Positions are
+    counted from each row's first valid token (left and right padding agree) and averaged over
+    the rows of the group valid there; ``"loo"`` excludes the row's own value. Where no (other)
+    row is valid at a position the baseline is 0, and before a row's first valid token it is 0.
+    In ``targets``' dtype.
+    """
+    first = None
+    if targets.shape[-1] > 1:  # the t-th token of every completion in column t
+        first = first_token(valid)
+        targets, valid = align_left(targets, valid, first)
+    values = torch.where(valid, targets, 0.0)
+    counts = valid.to(targets.dtype)
+    sums = torch.zeros_like(values).index_add_(0, keys, values)[keys]
+    n = torch.zeros_like(counts).index_add_(0, keys, counts)[keys]
+    if kind == "loo":
+        # Without another valid row the group's sum is exactly this row's value: 0 / 1 = 0.
+        sums, n = sums - values, n - counts
+    baseline = sums / n.clamp(min=1)
+    return baseline if first is None else unalign(baseline, first)
+
+
+def exact_kl_baseline(
+    targets: Tensor, valid: Tensor, kls: Tensor, kind: str, keys: Tensor
+) -> Tensor:
+    r"""The ``"exact-kl"`` / ``"exact-kl+loo"`` baseline of per-position ``targets`` ``[rows, T]``.
+
+    .. math::
+        b_t = KL_t(y_{<t}) \quad\text{or}\quad
+        b_t = KL_t(y_{<t}) + \frac{1}{n_t - 1} \sum_{j \ne i} \big(A^{(j)}_t - KL^{(j)}_t\big)
+
+    where :math:`KL_t(y_{<t}) = E_{y_t \sim \pi}[\log\pi(y_t|y_{<t}) - \log ref(y_t|y_{<t})]`
+    is the exact per-position KL(pi||ref) (``kls``, detached here) and the sum runs over the
+    other rows of the same group valid at the t-th token of their completion (as
+    :func:`group_baseline` with ``"loo"``). Both depend only on the prefix :math:`y_{<t}` of the
+    row they are subtracted in and on independent rows, so :math:`E[s_t b_t] = 0`.
+
+    :math:`KL_t` is the value function of the per-token reward :math:`-\rho_t`, the closed-form
+    baseline of "KL for a KL: On-Policy Distillation with Control Variate Baseline" by Minjae Oh,
+    Sangjun Song, Gyubin Choi, Yunho Choi and Yohan Jo (2026, https://arxiv.org/abs/2605.07865);
+    for a target that sums the log-ratios to go it is the first term of the value, and the
+    leave-one-out mean estimates the rest. 0 where ``valid`` is False; in ``targets``' dtype.
+
+
+    Example:
+      >>> targets = torch.tensor([[3.0, 1.0], [5.0, 2.0]])
+      >>> kls = torch.tensor([[0.5, 0.2], [0.7, 0.1]])
+      >>> valid, keys = torch.ones(2, 2, dtype=torch.bool), torch.zeros(2, dtype=torch.int64)
+      >>> exact_kl_baseline(targets, valid, kls, "exact-kl", keys)
+      tensor([[0.5000, 0.2000],
+              [0.7000, 0.1000]])
+      >>> exact_kl_baseline(targets, valid, kls, "exact-kl+loo", keys)  # + the other row's A - KL
+      tensor([[4.8000, 2.1000],
+              [3.2000, 0.9000]])
+    """
+    b = torch.where(valid, kls.detach().to(targets.dtype), 0.0)
+    if kind == "exact-kl+loo":
+        b = b + group_baseline(targets - b, valid, "loo", keys)
+    return b
+
+
+class BaselineEMA(Float64EMAState):
+    r"""A baseline from an exponential moving average of earlier batches' targets.
+
+    .. math:: b_t^{(k)} = \frac{\sum_{j<k} \gamma^{k-1-j} (1-\gamma)\, \bar A_t^{(j)}}
+                               {\sum_{j<k} \gamma^{k-1-j} (1-\gamma)}
+
+    where :math:`\bar A_t^{(j)}` is batch j's mean target at position t (over the rows valid
+    there), and batches without a valid row at t are skipped: they neither add to position t's
+    average nor age it (j and k count only the batches that had a valid row at t). Per-sequence
+    targets (the score function) keep one average; per-position targets (cumulative) one per
+    position, counted from each completion's first token. Each call uses the average of
+    *previous* batches (independent of the current samples, so the gradient stays unbiased),
+    then folds the current batch in. Before any batch the baseline is 0.
+
+    The averages live in float64 buffers (``sums``, ``weights``) on the tensors' device, so they
+    move with ``.to()`` (staying float64 when a model is cast to bf16), are saved in
+    ``state_dict`` (a resumed run keeps them) and cost no host copy. In ``eval()`` mode the
+    averages are used but not updated. One average per position, over every group (``group``
+    ids do not apply to it). Each process updates its own averages from the batches it sees
+    (no collective call): under data parallelism they differ between processes, each unbiased.
+
+    Args:
+      decay: :math:`\gamma`, the weight of the past, in [0, 1).
+
+    Example:
+      >>> ema = BaselineEMA(decay=0.5)
+      >>> valid = torch.ones(2, 1, dtype=torch.bool)
+      >>> ema(torch.tensor([[1.0], [3.0]]), valid)  # no history yet
+      tensor([[0.],
+              [0.]])
+      >>> ema(torch.tensor([[5.0], [7.0]]), valid)  # the mean of the first batch
+      tensor([[2.],
+              [2.]])
+    """
+
+    BUFFERS = ("sums", "weights")
+    sums: Tensor
+    weights: Tensor
+
+    def __init__(self, *, decay: float = 0.9) -> None:
+        super().__init__()
+        self.decay = check_decay(decay)
+
+    def forward(self, targets: Tensor, valid: Tensor) -> Tensor:
+        """The baseline for ``targets`` (``[rows, T]``, detached; ``valid`` bool), then update."""
+        sums, weights = self._grow(targets.shape[-1], targets.device)
+        mean = torch.where(weights > 0, sums / weights.clamp(min=1e-300), 0.0)
+        baseline = mean.to(targets.dtype).expand_as(targets).clone()
+        if not self.training:  # eval(): use the averages, do not update them
+            return baseline
+        with torch.no_grad():
+            count = valid.sum(0).double()
+            batch_mean = torch.where(valid, targets.detach().double(), 0.0).sum(0)
+            batch_mean = batch_mean / count.clamp(min=1.0)
+            seen = count > 0
+            g = self.decay
+            sums.copy_(torch.where(seen, g * sums + (1 - g) * batch_mean, sums))
+            weights.copy_(torch.where(seen, g * weights + (1 - g), weights))
+        return baseline
+
+    def extra_repr(self) -> str:
+        return f"decay={self.decay}"
 
 
 def mix_multipliers(delta: Tensor, direction: str) -> tuple[Tensor, Tensor]:
@@ -142,7 +303,7 @@ def mix_coefficient(delta: Tensor, valid: Tensor | None, direction: str) -> Tens
     return c.to(delta.dtype).unsqueeze(-1)
 
 
-def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor, *, align: bool = True) -> Tensor:
+def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor) -> Tensor:
     r"""The cross-fitted scale :math:`\lambda` of the leave-one-out baseline, ``[rows, 1]``.
 
     .. math:: \lambda_i = \mathrm{clip}_{[0, 1]}\Big(\frac{\sum_{j \in F'} \sum_t A_{jt} B'_{jt}}
@@ -156,9 +317,7 @@ def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor, *, align: bool 
       targets: detached score-function targets ``A`` ``[rows, T]`` (T = 1: per sequence) of
         samples from pi.
       valid: bool ``[rows, T]``.
-      keys: group keys ``[rows]`` (:func:`klest.aggregation.group_keys`).
-      align: False skips the first-token alignment of :func:`klest.surrogates.group_baseline`
-        (the same result when no row starts after column 0).
+      keys: group keys ``[rows]`` (:func:`klest.sampled.groups.group_keys`).
 
     Returns:
       Detached scales ``[rows, 1]`` in ``targets``' dtype; 0 where the other fold has no pair.
@@ -173,16 +332,14 @@ def baseline_scale(targets: Tensor, valid: Tensor, keys: Tensor, *, align: bool 
     """
     x = torch.where(valid, targets.detach().double(), 0.0)
     rows = x.shape[0]
-    fold = _position_in_group(keys, valid.any(-1)) % 2  # empty rows shift no other row's fold
+    fold = position_in_group(keys, valid.any(-1)) % 2  # empty rows shift no other row's fold
     # Groups split by fold: keys + rows * fold < 2 rows, so pad with as many invalid rows.
     fold_keys = torch.cat([keys + rows * fold, keys])  # the padding rows' keys: never valid
     padded_valid = torch.cat([valid, torch.zeros_like(valid)])
-    within = group_baseline(
-        torch.cat([x, torch.zeros_like(x)]), padded_valid, "loo", fold_keys, align=align
-    )
+    within = group_baseline(torch.cat([x, torch.zeros_like(x)]), padded_valid, "loo", fold_keys)
     # Where the row is valid and has a fold-mate valid at the same position.
     ones = padded_valid.double()
-    paired = valid & (group_baseline(ones, padded_valid, "loo", fold_keys, align=align)[:rows] > 0)
+    paired = valid & (group_baseline(ones, padded_valid, "loo", fold_keys)[:rows] > 0)
     within = within[:rows]
     p_row = torch.where(paired, x * within, 0.0).sum(-1)
     q_row = torch.where(paired, within * within, 0.0).sum(-1)

@@ -1,0 +1,86 @@
+r"""Autoregressive sequences: sums from each token on, prefix weights, first-token alignment.
+
+For a sequence :math:`y_1..y_T` with per-token log-ratios :math:`\rho_t` and scores
+:math:`s_t = \nabla \log\pi(y_t|y_{<t})`, the gradient of the sequence KL(pi||ref) is
+
+.. math:: \nabla KL(\pi\|ref) = E_\pi\Big[\sum_t s_t \sum_{u \ge t} \rho_u\Big]
+
+(each token's score times the log-ratios from that token on: the "reward to go"), because a token
+cannot change the log-ratios before it. Tensors here are ``[rows, T]`` with masked positions
+already zeroed.
+
+See "On a few pitfalls in KL divergence gradient estimation for RL" by Yunhao Tang and Rémi Munos
+(2025, https://arxiv.org/abs/2506.09477).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "align_left",
+    "first_token",
+    "prefix_weights",
+    "sum_after",
+    "sum_from_here",
+    "unalign",
+]
+
+
+def sum_from_here(x: Tensor) -> Tensor:
+    """``out[:, t] = sum_{u >= t} x[:, u]`` (reverse cumulative sum over tokens), as the row total
+    minus the sum before t (absolute error a few ulps of the row's partial sums)."""
+    return x.sum(-1, keepdim=True) - (x.cumsum(-1) - x)
+
+
+def sum_after(x: Tensor) -> Tensor:
+    """``out[:, t] = sum_{u > t} x[:, u]``."""
+    return sum_from_here(x) - x
+
+
+def prefix_weights(log_w: Tensor | None, *, inclusive: bool) -> Tensor | float:
+    r"""Detached prefix importance weights :math:`W_{\le t}` (or :math:`W_{<t}`) from log-weights.
+
+    ``log_w[:, t] = log pi(y_t|y_{<t}) - log behavior(y_t|y_{<t})``; on-policy (``None``) every
+    weight is 1 and the float ``1.0`` is returned.
+    """
+    if log_w is None:
+        return 1.0
+    cum = log_w.detach().cumsum(-1)
+    if not inclusive:  # shifted, not cum - log_w: a -inf log-weight would give -inf - -inf
+        cum = torch.cat([torch.zeros_like(cum[..., :1]), cum[..., :-1]], -1)
+    return torch.exp(cum)
+
+
+def first_token(valid: Tensor) -> Tensor:
+    """Column of each row's first valid token, ``[rows]`` (0 for a row with none)."""
+    if valid.shape[-1] == 0:
+        return torch.zeros(valid.shape[:-1], dtype=torch.int64, device=valid.device)
+    return valid.to(torch.uint8).argmax(-1)  # argmax gives the first of equal maxima
+
+
+def _shifted(x: Tensor, shift: Tensor) -> Tensor:
+    """Row r's column c takes ``x[r, c + shift[r]]``, 0 where that column is outside the row."""
+    t = x.shape[-1]
+    source = torch.arange(t, device=x.device) + shift.unsqueeze(-1)
+    inside = (source >= 0) & (source < t)
+    taken = x.gather(-1, source.clamp(0, max(t - 1, 0)))
+    return torch.where(inside, taken, torch.zeros((), dtype=x.dtype, device=x.device))
+
+
+def align_left(x: Tensor, valid: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
+    """Shift each row left so that its first valid token is in column 0 (``[rows, T]``).
+
+    Left- and right-padded layouts of one batch give the same result: per-position statistics
+    (baselines) computed on it compare the t-th token of every completion. The columns shifted
+    in past a row's end are invalid and 0. Returns the shifted values and validity. ``first`` is
+    :func:`first_token` of ``valid``.
+    """
+    return _shifted(x, first), _shifted(valid, first)
+
+
+def unalign(aligned: Tensor, first: Tensor) -> Tensor:
+    """Undo :func:`align_left`: each row's column ``c`` takes aligned column ``c - first`` (0
+    for ``c < first``, the row's leading padding)."""
+    return _shifted(aligned, -first)
