@@ -58,7 +58,7 @@ from torch import Tensor
 from klest._checks import ArgumentNames, check_choice, check_positive_int
 from klest._numerics import exp_tail
 from klest._types import Baseline, Reduction
-from klest.aggregation import aggregate, as_rows
+from klest.aggregation import aggregate
 from klest.integrations._patch import Installed, replace_function
 from klest.integrations._peer_gradient import (
     KlestOptions,
@@ -66,6 +66,7 @@ from klest.integrations._peer_gradient import (
     peer_log_ratios,
     with_klest_gradient,
 )
+from klest.layout import as_rows
 from klest.logits import kl_from_logits
 from klest.sampled.baselines import BaselineEMA
 from klest.surrogates import join

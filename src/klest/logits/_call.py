@@ -26,7 +26,8 @@ from klest._checks import (
     check_positive_int,
 )
 from klest._types import Backend, Reduction
-from klest.aggregation import KLDiagnostics, WithDetails, as_rows, diagnostics, reduce_rows
+from klest.aggregation import KLDiagnostics, WithDetails, diagnostics, reduce_rows
+from klest.layout import as_rows
 from klest.logits._rows import chunk_rows, resolve_backend, workspace_bytes_per_row
 from klest.logits._stats import KLRowStats
 

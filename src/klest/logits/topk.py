@@ -82,7 +82,8 @@ from klest._checks import (
 )
 from klest._numerics import exp_tail, xexp_tail
 from klest._types import DEFAULT_REDUCTION, Direction, Reduction
-from klest.aggregation import KLDiagnostics, WithDetails, as_rows, diagnostics, reduce_rows
+from klest.aggregation import KLDiagnostics, WithDetails, diagnostics, reduce_rows
+from klest.layout import as_rows
 from klest.logits._call import Positions, positions
 from klest.logits._rows import chunk_rows
 from klest.surrogates import join
