@@ -192,7 +192,7 @@ def aggregate(
     check_choice("reduction", reduction, Reduction)
     check_counts(counts, reduction)
     checks = ValueChecks(resolve_validate(validate))
-    layout = layout_of(values, cu_seqlens, max_seqlen, checks, name="values")
+    layout = layout_of(values.shape, values.device, cu_seqlens, max_seqlen, checks, name="values")
     rows = layout.rows(values)
     valid = None
     if mask is not None or cu_seqlens is not None:

@@ -95,7 +95,7 @@ def global_counts(
             if not isinstance(mask, Tensor):
                 raise TypeError(f"masks[{i}] must be a torch.Tensor, got {type(mask).__name__}")
             keep = check_mask(mask, mask.shape, device, checks, of=f"masks[{i}]", name="mask")
-            rows = layout_of(keep, cu, None, checks, name=f"masks[{i}]").rows(keep)
+            rows = layout_of(keep.shape, device, cu, None, checks, name=f"masks[{i}]").rows(keep)
             totals += torch.stack([rows.sum(), rows.any(-1).sum()]).double()
         checks.run()
         world = 1

@@ -194,22 +194,21 @@ def packed_layout(
 
 
 def layout_of(
-    logp: Tensor,
+    shape: torch.Size,
+    device: torch.device,
     cu_seqlens: Tensor | None,
     max_seqlen: int | None,
     checks: ValueChecks,
     *,
     name: str = "logp",
 ) -> Layout:
-    """The layout of per-token tensors shaped like ``logp``: packed with ``cu_seqlens``,
-    padded without."""
+    """The layout of per-token tensors of ``shape`` (on ``device``): packed with
+    ``cu_seqlens``, padded without (``name``: the tensor's argument, for messages)."""
     if cu_seqlens is None:
         if max_seqlen is not None:
             raise ValueError("max_seqlen applies only with cu_seqlens (packed sequences)")
-        return PaddedLayout(logp.shape)
-    return packed_layout(
-        cu_seqlens, logp.shape, logp.device, checks, max_seqlen=max_seqlen, of=name
-    )
+        return PaddedLayout(torch.Size(shape))
+    return packed_layout(cu_seqlens, shape, device, checks, max_seqlen=max_seqlen, of=name)
 
 
 def _check_offsets(offsets: list[int], total: int) -> None:

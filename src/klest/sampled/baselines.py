@@ -514,11 +514,15 @@ def group_baselines(
     check_float_tensor("targets", targets)
     check_choice("kind", kind, GroupKind)
     checks = ValueChecks(resolve_validate(validate))
-    layout = layout_of(targets, cu_seqlens, max_seqlen, checks, name="targets")
+    layout = layout_of(
+        targets.shape, targets.device, cu_seqlens, max_seqlen, checks, name="targets"
+    )
     keep = torch.ones_like(targets, dtype=torch.bool)
     if mask is not None:
         keep = check_mask(mask, targets.shape, targets.device, checks, of="the targets")
-    keys = group_keys(check_group(group, layout.sequences_shape, targets.device))
+    keys = group_keys(
+        check_group(group, layout.sequences_shape, targets.device, of_shape=targets.shape)
+    )
     checks.run()
     with torch.no_grad():
         valid = layout.rows(keep)

@@ -225,7 +225,9 @@ def kl_estimate(
     check_counts(counts, reduction)
     keys = None
     if group is not None:
-        keys = group_keys(check_group(group, lr.layout.sequences_shape, logp.device))
+        keys = group_keys(
+            check_group(group, lr.layout.sequences_shape, logp.device, of_shape=logp.shape)
+        )
     if level == "sequence" and alpha == "loo" and keys is not None:
         checks.warn_once("cv-loo-small-groups", group_sizes(keys) <= SMALL_GROUP, _small_groups)
     kls = None

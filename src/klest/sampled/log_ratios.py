@@ -96,7 +96,7 @@ def prepare_log_ratios(
         check_float_tensor(name_behavior, logp_behavior)
     check_same_shape(**{name: logp, name_ref: logp_ref, name_behavior: logp_behavior})
     check_not_gathered(name, logp)
-    layout = layout_of(logp, cu_seqlens, max_seqlen, checks, name=name)
+    layout = layout_of(logp.shape, logp.device, cu_seqlens, max_seqlen, checks, name=name)
     keep = None
     if mask is not None:
         keep = check_mask(

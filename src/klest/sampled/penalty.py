@@ -434,8 +434,12 @@ LOO_BASELINES: tuple[str, ...] = ("loo", "loo-fitted", "exact-kl+loo")
 
 
 def check_group_is_used(group: object, baseline: object, estimator: str, alpha: object) -> None:
-    """Refuse ``group=`` where nothing uses it: with no group baseline and no fitted
-    coefficient, group ids would be silently ignored (and leave-one-out believed on)."""
+    """Warn when ``group=`` is given but nothing uses it (no group baseline, no fitted alpha):
+    the ids would be ignored, and a reader of the call would believe leave-one-out is on.
+
+    A warning, not an error: trainers and drop-ins forward their prompt ids with every call,
+    also with a moving-average baseline that pools every group; the warning names the fix.
+    """
     if group is None:
         return
     uses = (
@@ -444,12 +448,21 @@ def check_group_is_used(group: object, baseline: object, estimator: str, alpha: 
         or (estimator == "cv" and isinstance(alpha, str))
     )
     if not uses:
-        raise ValueError(
-            f"group= is used only by the group baselines ({', '.join(map(repr, GROUP_BASELINES))}, "
-            "LooScaleEMA) and by a fitted alpha ('loo', 'crossfit', 'in-sample'); with "
-            f"baseline={baseline!r} it would be ignored. Pass baseline='loo' for a leave-one-out "
-            "baseline within each group, or leave group out"
+        warn_at_caller(
+            f"group= is used only by the group baselines ({', '.join(map(repr, GROUP_BASELINES))}"
+            ", LooScaleEMA) and by a fitted alpha ('loo', 'crossfit', 'in-sample'); with "
+            f"baseline={_baseline_name(baseline)} the group ids are ignored. Pass baseline='loo' "
+            "for a leave-one-out baseline within each group, or leave group out",
+            UserWarning,
         )
+
+
+def _baseline_name(baseline: object) -> str:
+    return (
+        type(baseline).__name__
+        if isinstance(baseline, torch.nn.Module | Tensor)
+        else repr(baseline)
+    )
 
 
 def _one_row(_: Tensor) -> str:
@@ -670,8 +683,8 @@ def kl_penalty(
         leave-one-out mean over the *other* samples, say), or the gradient is biased.
       group: integer ids, one per sequence (``logp.shape[:-1]``; ``[S]`` packed): samples of
         the same prompt (baselines and fitted alphas are computed within a group; a group of
-        one gets leave-one-out baseline 0). Refused where nothing uses it (no group baseline,
-        no fitted alpha), so that leave-one-out is never believed on when it is off.
+        one gets leave-one-out baseline 0). Where nothing uses it (no group baseline, no fitted
+        alpha) a ``UserWarning`` says so: leave-one-out is never believed on when it is off.
       reparameterized: the samples are x = g(theta, eps) and ``logp`` / ``logp_ref`` carry the
         graph through x (VAEs, VI): required by ``pathwise`` / ``adaptive`` / ``stl``, refused
         by the score-function estimators.
@@ -761,7 +774,9 @@ def kl_penalty(
     check_group_is_used(group, baseline, estimator, alpha)
     keys = None
     if group is not None:
-        keys = group_keys(check_group(group, lr.layout.sequences_shape, logp.device))
+        keys = group_keys(
+            check_group(group, lr.layout.sequences_shape, logp.device, of_shape=logp.shape)
+        )
     if isinstance(baseline, Tensor):
         baseline = given_baseline(baseline, lr, per_sequence=grad == "score")
     elif baseline in LOO_BASELINES and lr.delta.shape[0] == 1 and not lr.layout.samples:
