@@ -58,6 +58,27 @@ latest-venv:
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install --quiet torch==2.13.0 -e ".[dev]"
 
+# The tests once per narrower SIMD width, as on another x86 CPU: ATEN_CPU_CAPABILITY=avx2, then
+# default (no vector instructions), numpy (the Triton interpreter's arithmetic) held to the same
+# width, the env of `make test`. Sums then round in other orders, and every float comparison must
+# still hold. Each run gets its own inductor cache: torch's compile cache does not key on the
+# capability, and a kernel compiled for one width gives wrong results under another. Not part of
+# `make test` (twice its time); ISA_TESTS selects a part of the suite.
+ISA_TESTS ?=
+.PHONY: test-isa
+test-isa: $(STAMP) $(PEERS)
+	status=0; for isa in avx2 default; do \
+		case $$isa in \
+			avx2) npy="X86_V4 AVX512_ICL AVX512_SPR";; \
+			*) npy="X86_V3 X86_V4 AVX512_ICL AVX512_SPR";; \
+		esac; \
+		cache=$$(mktemp -d); \
+		echo "== ATEN_CPU_CAPABILITY=$$isa"; \
+		ATEN_CPU_CAPABILITY=$$isa NPY_DISABLE_CPU_FEATURES="$$npy" TORCHINDUCTOR_CACHE_DIR=$$cache \
+			KLEST_REQUIRE_PEERS=1 TRITON_INTERPRET=1 $(PY) -m pytest -n 2 -q $(ISA_TESTS) || status=1; \
+		rm -rf $$cache; \
+	done; exit $$status
+
 # On a CUDA machine: the kernel, logits and fused-linear tests with the real Triton kernels, and
 # the host-synchronisation checks. (benchmarks/run_on_gpu.sh runs these and the GPU benchmarks
 # with the machine's own python3, for a GPU machine without a package registry.)

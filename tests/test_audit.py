@@ -242,8 +242,9 @@ def test_grad_audit_summaries_match_a_regression_written_here():
     gram = torch.tensor([[e1 @ e1, e1 @ e2], [e2 @ e1, e2 @ e2]], dtype=torch.float64)
     per_draw = torch.linalg.solve(gram, torch.stack([draws @ e1, draws @ e2]))  # [2, n]
     coefs, ses = per_draw.mean(1), per_draw.std(1) / math.sqrt(200)
-    got = torch.tensor([a.coef_pi_ref, a.coef_ref_pi, a.coef_pi_ref_se, a.coef_ref_pi_se])
-    torch.testing.assert_close(got.double(), torch.cat([coefs, ses]), rtol=1e-7, atol=1e-12)
+    got = [a.coef_pi_ref, a.coef_ref_pi, a.coef_pi_ref_se, a.coef_ref_pi_se]
+    got = torch.tensor(got, dtype=torch.float64)  # float64 numbers, kept float64
+    torch.testing.assert_close(got, torch.cat([coefs, ses]), rtol=1e-7, atol=1e-12)
 
 
 def test_grad_audit_calls_a_zero_mean_gradient_zero():

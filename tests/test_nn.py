@@ -9,6 +9,7 @@ import klest
 from klest.nn import KLFromHidden, KLFromLogits, KLPenalty
 from klest.testbeds import make_generator
 from tests._testbeds import make
+from tests._tolerance import assert_logits_values_close
 
 
 def test_kl_penalty_module_equals_the_function_times_beta():
@@ -69,7 +70,9 @@ def test_kl_from_logits_module_equals_the_function():
     want = klest.kl_from_logits(
         z, y, direction="ref||pi", reduction="token-mean", temperature=0.8, labels=labels
     )
-    torch.testing.assert_close(got, want)
+    # the module calls the function: the same float32 arithmetic, a log-softmax and a sum over
+    # V at the rows' logit scale (16 roundings, twice)
+    assert_logits_values_close(got, want, z, y, ulps=32, temperature=0.8)
     assert list(module.parameters()) == [] and module.state_dict() == {}
 
 
@@ -80,16 +83,21 @@ def test_kl_from_hidden_module_holds_the_heads_by_reference():
     module = KLFromHidden(head, ref_head, reduction="sum")
     got = module(h, h_ref)
     want = klest.kl_from_logits(head(h), ref_head(h_ref), reduction="sum")
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    # the fused head against the materialized logits: two float32 paths, each a log-softmax and
+    # a sum over V at the rows' logit scale (16 roundings); a sum over the 6 positions
+    z, y = head(h).detach(), ref_head(h_ref).detach()
+    assert_logits_values_close(got, want, z, y, ulps=32, terms=6)
     got.backward()
     assert head.weight.grad is not None and head.bias.grad is not None
     assert list(module.parameters()) == [] and module.state_dict() == {}
     logits_ref = torch.randn(3, 2, 11, generator=g)
-    torch.testing.assert_close(
+    assert_logits_values_close(
         KLFromHidden(head)(h, logits_ref=logits_ref),
         klest.kl_from_logits(head(h), logits_ref),
-        rtol=1e-5,
-        atol=1e-6,
+        z,
+        logits_ref,
+        ulps=32,
+        terms=2,  # the default reduction: a mean over rows of sums over 2 positions
     )
     with pytest.raises(ValueError, match="needs a ref_head"):
         KLFromHidden(head)(h, h_ref)

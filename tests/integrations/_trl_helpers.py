@@ -4,6 +4,7 @@ to TRL's loss next to klest's term computed from an independent forward pass."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -14,6 +15,7 @@ from trl import GRPOConfig
 import klest
 from klest.integrations.trl import GRPOTrainer, KLTerm
 from klest.testbeds import tiny_causal_lm, word_tokenizer
+from tests._tolerance import logit_scale
 
 BETA = 0.1
 ACCUMULATION = 2
@@ -127,9 +129,22 @@ def trainable(model) -> list[torch.Tensor]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def kl_added_to_the_loss(trainer, batch) -> tuple[torch.Tensor, list[torch.Tensor]]:
+@dataclasses.dataclass
+class AddedTerm:
+    """What a trainer adds to TRL's loss: its loss minus TRL's own with beta = 0."""
+
+    value: torch.Tensor
+    grads: list[torch.Tensor | None]
+    scale: float
+    """max(|loss|, |TRL's own loss|): the size of the two terms the difference cancels"""
+    grad_scale: float
+    """the largest entry of either loss's gradient, likewise"""
+
+
+def kl_added_to_the_loss(trainer, batch) -> AddedTerm:
     """The trainer's loss minus TRL's own with beta = 0, and that difference's gradient."""
     model = trainer.model
+    params = trainable(model)
     full = trainer._compute_loss(model, batch)
     beta, trainer.beta = trainer.beta, 0.0
     try:
@@ -137,7 +152,16 @@ def kl_added_to_the_loss(trainer, batch) -> tuple[torch.Tensor, list[torch.Tenso
     finally:
         trainer.beta = beta
     added = full - policy_only
-    return added.detach(), list(torch.autograd.grad(added, trainable(model), allow_unused=True))
+    grads = [
+        torch.autograd.grad(loss, params, allow_unused=True, retain_graph=True)
+        for loss in (full, policy_only)
+    ]
+    return AddedTerm(
+        added.detach(),
+        list(torch.autograd.grad(added, params, allow_unused=True)),
+        max(abs(float(full)), abs(float(policy_only))),
+        max((float(g.abs().max()) for gs in grads for g in gs if g is not None), default=0.0),
+    )
 
 
 def klest_term(logp, batch, kl: KLTerm, *, beta: float, scale: float, logp_behavior=None):
@@ -175,12 +199,112 @@ def expected_term(trainer, batch, kl: KLTerm, scale: float, logp_behavior=_FROM_
     return term.detach(), list(torch.autograd.grad(term, trainable(model), allow_unused=True))
 
 
-def assert_grads_close(got, expected):
-    for g, e in zip(got, expected, strict=True):
+UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+"""One rounding moves a value by at most this much of it: bfloat16 keeps 8 significant bits,
+float32 24."""
+
+ROUNDINGS = {torch.bfloat16: 4, torch.float32: 512}
+"""The roundings on each log-prob's and gradient's way that matter at first order.
+
+bfloat16: the last hidden state, the logits, the log-softmax's output, and the gradient's storage
+(a bfloat16 model). Earlier layers' roundings reach the log-probs through RMS norms, which
+rescale them, not grow; the float32 sums in between (2^-24 a term) are negligible next to these.
+
+float32: no storage rounding, so what rounds are the sums: the model's over its width (16, its
+MLP's 64) and the vocabulary (16), the gradient's over the micro-batch's tokens (up to 16 rows
+of about 10), the exact divergence's over the vocabulary; a sum of n terms rounds up to n
+times, so some 2 x 256 for the two computations compared (the trainer's and the replica's).
+Measured over the TRL tests with ATEN_CPU_CAPABILITY avx512, avx2 and default: at most 70 (a
+gradient of the distillation's JSD at beta 0.3, under default), a margin of 7."""
+
+
+def tolerance(
+    sizes: torch.Tensor, differences: torch.Tensor, mask: torch.Tensor, dtype: torch.dtype
+) -> float:
+    """The normwise tolerance (largest error over largest entry) of a gradient in ``dtype``.
+
+    Each rounding moves a log-prob by up to u |log p| (u = UNIT_ROUNDOFF[dtype]), but the KL term
+    and its gradient depend on the log-probs through their differences (log pi - log ref), some
+    tenths of a nat between log-probs of a few nats: relative to those differences the error is
+    amplified by A = mean(sizes) / mean(|differences|) over the valid positions: the sizes
+    |log pi| + |log ref| and differences log pi - log ref of the sampled tokens (GRPO, RLOO: A
+    is 3 to 6 here; :func:`token_sizes`), or for the distillation's exact KL, a function of the
+    whole logit vectors, the student's expectations of |z| + |z_ref| and |z - z_ref| over the
+    vocabulary, z the logits less their mean (softmax ignores a shift; A is about 1 here;
+    :func:`vocabulary_sizes`). The gradient's own factor, grad log pi, carries the unamplified
+    u. Hence ROUNDINGS[dtype] * u * (1 + A) (no valid position, or no difference: 1 + 0).
+    """
+    valid = mask.bool()
+    size = float(sizes.detach().double()[valid].sum())
+    spread = float(differences.detach().double()[valid].abs().sum())
+    amplification = size / spread if spread > 0 else 0.0
+    return ROUNDINGS[dtype] * UNIT_ROUNDOFF[dtype] * (1 + amplification)
+
+
+DIVERGENCE_ROUNDINGS = 32
+"""The float32 arithmetic of a divergence from two rows of logits, the trainer's and the exact
+one here: a log-softmax and a sum over the vocabulary (16), each rounding at the row's logit
+scale (tests/_tolerance.py's logit_scale) about sqrt(16) times, twice: 2 x 16 roundings, as in
+the logits tests."""
+
+
+def assert_divergence_value_close(got, expected, logits, logits_teacher, mask, dtype, what=""):
+    """The distillation's value, a mean over the valid positions of a divergence between the
+    student's and the teacher's logits: within the logits' rounding as amplified for a
+    gradient (:func:`tolerance` of the largest entry, bfloat16's storage roundings), plus
+    the float32 arithmetic of the divergence itself, ``DIVERGENCE_ROUNDINGS`` of the largest
+    valid position's logit scale: a divergence near zero (a JSD at beta 0.3: some 4e-4 here)
+    still carries the rounding of log-probs of a few nats."""
+    valid = mask.bool()
+    amplified = tolerance(*vocabulary_sizes(logits, logits_teacher), mask, dtype)
+    scale = logit_scale(logits, logits_teacher)[valid.cpu()]
+    arithmetic = DIVERGENCE_ROUNDINGS * torch.finfo(torch.float32).eps
+    arithmetic *= float(scale.max()) if scale.numel() else 0.0
+    error = abs(float(got) - float(expected))
+    bound = amplified * abs(float(expected)) + arithmetic
+    assert error <= bound, f"{what}: error {error:.3g} > {bound:.3g} ({error / bound:.3g} times)"
+
+
+def token_sizes(logp, logp_ref) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sizes and differences of :func:`tolerance` for a term on sampled tokens' log-probs."""
+    return logp.abs() + logp_ref.abs(), logp - logp_ref
+
+
+def vocabulary_sizes(logits, logits_ref) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sizes and differences of :func:`tolerance` for an exact KL from whole logit vectors."""
+    q = logits.softmax(-1)
+    z = logits - logits.mean(-1, keepdim=True)
+    z_ref = logits_ref - logits_ref.mean(-1, keepdim=True)
+    return (q * (z.abs() + z_ref.abs())).sum(-1), (q * (z - z_ref).abs()).sum(-1)
+
+
+def assert_normwise_close(got, expected, tol: float, *, scale: float = 0.0, what: str = "") -> None:
+    """The largest error within ``tol`` of the largest entry of ``expected``, or of ``scale``
+    where larger: the size of terms that a difference cancels (:class:`AddedTerm`). Normwise, not
+    per entry: an entry near zero carries the rounding of the larger ones it is computed with."""
+    got, expected = got.detach().double(), expected.detach().double()
+    assert got.shape == expected.shape, f"{what}: shapes {got.shape}, {expected.shape}"
+    error = float((got - expected).abs().max()) if got.numel() else 0.0
+    size = max(float(expected.abs().max()) if got.numel() else 0.0, scale)
+    assert error <= tol * size, (
+        f"{what}: error {error:.3g} is {error / max(size, 1e-30):.3g} of the largest entry "
+        f"{size:.3g} (tolerance {tol:.3g}; {error / max(tol * size, 1e-300):.3g} times it)"
+    )
+
+
+def assert_grads_close(got, expected, tol: float, *, scale: float = 0.0, what: str = "") -> None:
+    """Per parameter: no gradient where none is expected; and the whole gradient as one vector
+    within ``tol`` normwise (its rounding errors scale with the pass's intermediate values, not
+    with each parameter's share)."""
+    pairs = []
+    for i, (g, e) in enumerate(zip(got, expected, strict=True)):
         if e is None:
-            assert g is None or torch.count_nonzero(g) == 0
+            assert g is None or torch.count_nonzero(g) == 0, f"{what}: parameter {i}"
         else:
-            torch.testing.assert_close(g, e, rtol=1e-4, atol=1e-6)
+            pairs.append((torch.zeros_like(e) if g is None else g, e))
+    got_all = torch.cat([g.flatten().float() for g, _ in pairs])
+    expected_all = torch.cat([e.flatten().float() for _, e in pairs])
+    assert_normwise_close(got_all, expected_all, tol, scale=scale, what=f"{what}: gradient")
 
 
 def exact_distillation_kls(logits, logits_teacher, beta: float) -> torch.Tensor:

@@ -27,7 +27,9 @@ from klest.integrations.trl import (
 from tests.integrations._trl_helpers import (
     ACCUMULATION,
     BETA,
+    assert_divergence_value_close,
     assert_grads_close,
+    assert_normwise_close,
     common_args,
     completion_logits,
     completion_logps,
@@ -41,8 +43,11 @@ from tests.integrations._trl_helpers import (
     record_batches,
     save_tiny_lm,
     sequence_level_by_hand,
+    token_sizes,
     tokenizer,
+    tolerance,
     trainable,
+    vocabulary_sizes,
 )
 
 
@@ -78,34 +83,36 @@ def test_grpo_trains_with_klests_kl_term_and_it_is_what_the_loss_adds(
     trainer.model.train()
     batch = seen[-1]
     assert ("old_per_token_logps" in batch) == (num_iterations > 1)
-    got, got_grads = kl_added_to_the_loss(trainer, batch)
+    got = kl_added_to_the_loss(trainer, batch)
     expected, expected_grads = expected_term(
         trainer, batch, kl, scale=1 / trainer.current_gradient_accumulation_steps
     )
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
-    assert_grads_close(got_grads, expected_grads)
-    # beta = 1 is no special case: the term scales with beta (klest's, not TRL's, at any beta).
-    trainer.beta = 1.0
-    try:
-        got_1, got_grads_1 = kl_added_to_the_loss(trainer, batch)
-    finally:
-        trainer.beta = BETA
-    torch.testing.assert_close(got_1, expected / BETA, rtol=1e-5, atol=1e-6)
-    assert_grads_close(got_grads_1, [None if e is None else e / BETA for e in expected_grads])
-
-    # ... and it is not TRL's own term (k3 differentiated as a per-token loss).
     model = trainer.model
     logp = completion_logps(model, batch)
     mask = batch["completion_mask"].bool()
+    tol = tolerance(*token_sizes(logp, batch["ref_per_token_logps"]), mask, torch.float32)
+    assert_normwise_close(got.value, expected, tol, scale=got.scale, what="value")
+    assert_grads_close(got.grads, expected_grads, tol, scale=got.grad_scale)
+    # beta = 1 is no special case: the term scales with beta (klest's, not TRL's, at any beta).
+    trainer.beta = 1.0
+    try:
+        got_1 = kl_added_to_the_loss(trainer, batch)
+    finally:
+        trainer.beta = BETA
+    assert_normwise_close(got_1.value, expected / BETA, tol, scale=got_1.scale, what="beta = 1")
+    expected_1 = [None if e is None else e / BETA for e in expected_grads]
+    assert_grads_close(got_1.grads, expected_1, tol, scale=got_1.grad_scale, what="beta = 1")
+
+    # ... and it is not TRL's own term (k3 differentiated as a per-token loss).
     log_r = batch["ref_per_token_logps"] - logp
     trl_k3 = torch.where(mask, log_r.exp() - log_r - 1, 0.0)
     trl_term = BETA * (trl_k3.sum(-1) / mask.sum(-1).clamp(min=1)).mean() / ACCUMULATION
     params = trainable(model)
     trl_grads = torch.autograd.grad(trl_term, params, allow_unused=True)
-    size = sum(float(g.abs().sum()) for g in got_grads if g is not None)
+    size = sum(float(g.abs().sum()) for g in got.grads if g is not None)
     diff = sum(
         float((g - t).abs().sum())
-        for g, t in zip(got_grads, trl_grads, strict=True)
+        for g, t in zip(got.grads, trl_grads, strict=True)
         if t is not None
     )
     assert diff > 0.05 * size
@@ -142,10 +149,14 @@ def test_kl_term_can_reproduce_trls_own_loss_value_and_gradient(
     with pytest.warns(klest.KLGradientWarning):
         got = ours._compute_loss(ours.model, batch)
     theirs = TRLGRPOTrainer._compute_loss(ours, ours.model, batch)
-    torch.testing.assert_close(got, theirs, rtol=1e-5, atol=1e-7)
+    logp = completion_logps(ours.model, batch)
+    sizes = token_sizes(logp, batch["ref_per_token_logps"])
+    tol = tolerance(*sizes, batch["completion_mask"], torch.float32)
+    assert_normwise_close(got, theirs, tol, what="value")
     assert_grads_close(
         torch.autograd.grad(got, params, allow_unused=True),
         torch.autograd.grad(theirs, params, allow_unused=True),
+        tol,
     )
 
 
@@ -199,13 +210,15 @@ def test_rloo_moves_the_kl_from_the_reward_into_the_loss(tiny_lm, tmp_path, num_
     assert all(torch.count_nonzero(b["advantages"]) == 0 for b in seen)
     batch = seen[-1]
     trainer.model.train()
-    got, got_grads = kl_added_to_the_loss(trainer, batch)
+    got = kl_added_to_the_loss(trainer, batch)
     assert ("old_per_token_logps" in batch) == (num_iterations > 1)
     behavior = _logps_with_parameters(trainer.model, batch, sampler) if num_iterations > 1 else None
     expected, expected_grads = expected_term(trainer, batch, kl, scale=1.0, logp_behavior=behavior)
     assert float(expected) > 0.0
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
-    assert_grads_close(got_grads, expected_grads)
+    sizes = token_sizes(completion_logps(trainer.model, batch), batch["ref_per_token_logps"])
+    tol = tolerance(*sizes, batch["completion_mask"], torch.float32)
+    assert_normwise_close(got.value, expected, tol, scale=got.scale, what="value")
+    assert_grads_close(got.grads, expected_grads, tol, scale=got.grad_scale)
 
 
 @pytest.mark.parametrize("trainer_class", ["GRPOTrainer", "RLOOTrainer"])
@@ -237,15 +250,19 @@ def test_evaluation_adds_the_kl_term_without_gradient_accumulation_scaling(
             policy_only = trainer._compute_loss(trainer.model, batch)
         finally:
             trainer.beta = beta
+        logp = completion_logps(trainer.model, batch)
         expected = BETA * klest.kl_penalty(
-            completion_logps(trainer.model, batch),
+            logp,
             batch["ref_per_token_logps"],
             mask=batch["completion_mask"].bool(),
             estimator=kl.estimator,
             baseline=kl.baseline,
             group=groups_by_hand(batch),
         )
-    torch.testing.assert_close(full - policy_only, expected, rtol=1e-5, atol=1e-7)
+    sizes = token_sizes(logp, batch["ref_per_token_logps"])
+    tol = tolerance(*sizes, batch["completion_mask"], torch.float32)
+    scale = max(abs(float(full)), abs(float(policy_only)))  # the terms the difference cancels
+    assert_normwise_close(full - policy_only, expected, tol, scale=scale)
 
 
 def test_trls_own_rloo_puts_the_kl_in_the_reward(tiny_lm, tmp_path):
@@ -288,11 +305,15 @@ def _distillation_step(tiny_lm, tmp_path, **kwargs):
     return student, batch, out, logits, logits_t
 
 
-def _assert_same_gradients(loss, expected, model):
+def _assert_same_loss(loss, expected, model, logits, logits_t, mask):
+    """Value and gradient, within the float32 tolerance of an exact KL from the logits."""
+    assert_divergence_value_close(loss, expected, logits, logits_t, mask, torch.float32, "value")
+    tol = tolerance(*vocabulary_sizes(logits, logits_t), mask, torch.float32)
     params = trainable(model)
     assert_grads_close(
         torch.autograd.grad(loss, params, allow_unused=True),
         torch.autograd.grad(expected, params, allow_unused=True),
+        tol,
     )
 
 
@@ -310,8 +331,7 @@ def test_distillation_loss_is_the_exact_divergence_from_materialized_logits(
     per_position = exact_distillation_kls(logits, logits_t, beta)
     expected = torch.where(mask, per_position, 0.0).sum() / mask.sum().clamp(min=1)
     assert int(n_valid) == int(mask.sum())
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
-    _assert_same_gradients(loss, expected, student)
+    _assert_same_loss(loss, expected, student, logits, logits_t, mask)
 
 
 def test_distillation_sequence_level_adds_the_future_kl_score_term(tiny_lm, tmp_path):
@@ -323,8 +343,7 @@ def test_distillation_sequence_level_adds_the_future_kl_score_term(tiny_lm, tmp_
     # By hand: sum_t KL_t + sum_t log pi(y_t) * sg(sum_{s>t} KL_s), over the valid tokens.
     by_hand = sequence_level_by_hand(exact_distillation_kls(logits, logits_t, 1.0), logp, mask)
     expected = by_hand.sum() / mask.sum().clamp(min=1)
-    torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-7)
-    _assert_same_gradients(loss, expected, student)
+    _assert_same_loss(loss, expected, student, logits, logits_t, mask)
 
 
 def test_bad_options_are_refused_with_their_names(tiny_lm, tmp_path):

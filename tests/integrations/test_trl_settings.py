@@ -38,6 +38,9 @@ from klest.integrations.trl import (
     RLOOTrainer,
 )
 from tests.integrations._trl_helpers import (
+    assert_divergence_value_close,
+    assert_grads_close,
+    assert_normwise_close,
     common_args,
     completion_logits,
     completion_logps,
@@ -51,36 +54,12 @@ from tests.integrations._trl_helpers import (
     reward,
     save_tiny_lm,
     sequence_level_by_hand,
+    token_sizes,
     tokenizer,
+    tolerance,
     trainable,
+    vocabulary_sizes,
 )
-
-BF16_UNIT_ROUNDOFF = 2.0**-8
-"""bfloat16 keeps 8 significant bits: one rounding moves a value by at most 2^-8 relative."""
-
-BF16_ROUNDINGS = 4
-"""The bfloat16 roundings on each log-prob's way that matter at first order: the last hidden
-state, the logits, the log-softmax's output, and the gradient's storage (a bfloat16 model).
-Earlier layers' roundings reach the log-probs through RMS norms, which rescale them, not grow."""
-
-
-def _bf16_tolerance(sizes: torch.Tensor, differences: torch.Tensor, mask: torch.Tensor) -> float:
-    """The normwise tolerance (largest error over largest entry) of a bfloat16 setting.
-
-    Each rounding moves a log-prob by up to u |log p| (u = BF16_UNIT_ROUNDOFF), but the KL term
-    and its gradient depend on the log-probs through their differences (log pi - log ref), some
-    tenths of a nat between log-probs of a few nats: relative to those differences the error is
-    amplified by A = mean(sizes) / mean(|differences|) over the valid positions: the sizes
-    |log pi| + |log ref| and differences log pi - log ref of the sampled tokens (GRPO, RLOO: A
-    is 3 to 6 here), or for the distillation's exact KL, a function of the whole logit vectors,
-    the student's expectations of |z| + |z_ref| and |z - z_ref| over the vocabulary, z the
-    logits less their mean (softmax ignores a shift; A is about 1 here). The gradient's own
-    factor, grad log pi, carries the unamplified u. Hence BF16_ROUNDINGS * u * (1 + A).
-    """
-    valid = mask.bool()
-    size = sizes.detach().float()[valid].mean()
-    amplification = float(size / differences.detach().float()[valid].abs().mean())
-    return BF16_ROUNDINGS * BF16_UNIT_ROUNDOFF * (1 + amplification)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +75,11 @@ class Setting:
     teacher: str = "teacher"
     bf16_arithmetic: bool | None = None
     """whether the checked loss is computed in bfloat16 (default: whether the config says so)"""
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The arithmetic of the checked loss, whose rounding its tolerance follows."""
+        return torch.bfloat16 if self.bf16 else torch.float32
 
     @property
     def bf16(self) -> bool:
@@ -239,10 +223,6 @@ class Step:
     training: bool
 
 
-def _centered(logits: torch.Tensor) -> torch.Tensor:
-    return logits - logits.mean(-1, keepdim=True)
-
-
 def _parameters(model) -> dict[str, torch.Tensor]:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -291,41 +271,6 @@ def _restore(model, parameters: dict[str, torch.Tensor]) -> None:
 
 def _trainable_names(model) -> list[str]:
     return [n for n, p in model.named_parameters() if p.requires_grad]
-
-
-def _assert_close(got, expected, *, bf16: float | None, what: str) -> None:
-    """float32 (``bf16=None``): as test_trl.py (values rtol 1e-5, gradients rtol 1e-4 per
-    entry). bfloat16: the largest error within the tolerance ``bf16`` of the largest entry."""
-    got = got.float()
-    if bf16 is None:
-        rtol, atol = (1e-5, 1e-7) if got.dim() == 0 else (1e-4, 1e-6)
-        message = lambda m: f"{what}: {m}"  # noqa: E731
-        torch.testing.assert_close(got, expected, rtol=rtol, atol=atol, msg=message)
-        return
-    error = float((got - expected).abs().max())
-    scale = float(expected.abs().max())
-    assert error <= bf16 * scale, (
-        f"{what}: error {error:.3g} is {error / max(scale, 1e-30):.3g} of the largest entry "
-        f"{scale:.3g} (tolerance {bf16:.3g})"
-    )
-
-
-def _assert_gradients_close(names, got, expected, *, bf16: float | None, what: str) -> None:
-    """Per parameter in float32; in bfloat16 the whole gradient as one vector (its rounding
-    errors scale with the pass's intermediate values, not with each parameter's share)."""
-    pairs = []
-    for name, g, e in zip(names, got, expected, strict=True):
-        if e is None:
-            assert g is None or torch.count_nonzero(g) == 0, f"{what}: {name}"
-        else:
-            pairs.append((name, torch.zeros_like(e) if g is None else g, e))
-    if bf16 is not None:
-        got_all = torch.cat([g.flatten().float() for _, g, _ in pairs])
-        expected_all = torch.cat([e.flatten() for _, _, e in pairs])
-        _assert_close(got_all, expected_all, bf16=bf16, what=f"{what}: gradient")
-        return
-    for name, g, e in pairs:
-        _assert_close(g, e, bf16=None, what=f"{what}: gradient of {name}")
 
 
 def _train(trainer, setting: Setting) -> list[Step]:
@@ -387,7 +332,7 @@ def _check_rl(trainer, setting: Setting, *, scales_for_accumulation: bool) -> No
     for i, step in enumerate(steps):
         _restore(model, step.parameters)
         model.train(step.training)
-        got, got_grads = kl_added_to_the_loss(trainer, step.batch)
+        got = kl_added_to_the_loss(trainer, step.batch)
 
         behavior = None
         if any(not torch.equal(step.sampler[n], step.parameters[n]) for n in step.parameters):
@@ -406,13 +351,11 @@ def _check_rl(trainer, setting: Setting, *, scales_for_accumulation: bool) -> No
         expected_grads = torch.autograd.grad(term, [params[n] for n in names], allow_unused=True)
 
         what = f"micro-batch {i} ({'training' if step.training else 'evaluation'})"
-        assert torch.isfinite(got), what
-        mask = step.batch["completion_mask"]
-        ref = step.batch["ref_per_token_logps"]
-        sizes, differences = logp.abs() + ref.abs(), logp - ref
-        bf16 = _bf16_tolerance(sizes, differences, mask) if setting.bf16 else None
-        _assert_close(got, term.detach(), bf16=bf16, what=f"{what}: value")
-        _assert_gradients_close(names, got_grads, expected_grads, bf16=bf16, what=what)
+        assert torch.isfinite(got.value), what
+        sizes = token_sizes(logp, step.batch["ref_per_token_logps"])
+        tol = tolerance(*sizes, step.batch["completion_mask"], setting.dtype)
+        assert_normwise_close(got.value, term, tol, scale=got.scale, what=f"{what}: value")
+        assert_grads_close(got.grads, expected_grads, tol, scale=got.grad_scale, what=what)
         nonzero = nonzero or float(term.detach()) != 0.0
     assert reused == setting.reuses_samples
     assert nonzero  # the check has something to compare
@@ -495,11 +438,10 @@ def test_distillation_option_keeps_the_exact_kl(models, tmp_path, setting):
 
         what = f"micro-batch {i} ({'training' if step.training else 'evaluation'})"
         assert int(n_valid) == int(mask.sum()), what
-        q, z, z_t = logits.softmax(-1), _centered(logits), _centered(logits_t)
-        sizes, differences = (q * (z.abs() + z_t.abs())).sum(-1), (q * (z - z_t).abs()).sum(-1)
-        bf16 = _bf16_tolerance(sizes, differences, mask) if setting.bf16 else None
-        _assert_close(loss, expected.detach(), bf16=bf16, what=f"{what}: value")
-        _assert_gradients_close(names, got_grads, expected_grads, bf16=bf16, what=what)
+        value = f"{what}: value"
+        assert_divergence_value_close(loss, expected, logits, logits_t, mask, setting.dtype, value)
+        tol = tolerance(*vocabulary_sizes(logits, logits_t), mask, setting.dtype)
+        assert_grads_close(got_grads, expected_grads, tol, what=what)
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from klest.integrations import verl
 from tests._reference import assert_verbose_close, logits_reference, reduce_reference
 from tests._stats import RATE, z_for
 from tests._testbeds import make
+from tests._tolerance import assert_logits_values_close, rounding_tolerance
 from tests.integrations._peer_reference import (
     exact_grads,
     flat_grad,
@@ -229,13 +230,19 @@ def test_full_is_the_exact_per_position_kl(dtype):
     zz = z.clone().requires_grad_(True)
     out = verl.kl_penalty(zz, y, "full", mask=mask)
     want = torch.where(mask, logits_reference(z, y)["kl_pi_ref"], 0.0)
-    rtol = 1e-12 if dtype == torch.float64 else 1e-5
-    assert_verbose_close(out, want, atol=1e-6 * (dtype != torch.float64), rtol=rtol)
+    # the arithmetic's rounding (float32 for bf16 inputs, which the reference gets unchanged) at
+    # the row's logit scale: a log-softmax and a sum over V = 7 (16 roundings)
+    assert_logits_values_close(out, want, z, y, ulps=16)
     # verl's gradient: each position's own (autodiff of the exact per-position KLs)
     out.sum().backward()
     z64 = z.double().requires_grad_(True)
     torch.where(mask, logits_reference(z64, y)["kl_pi_ref"], 0.0).sum().backward()
-    assert_verbose_close(zz.grad, z64.grad, atol=2e-6 * (dtype != torch.float64), rtol=1e-2)
+    # q (log q - log p - KL) cancels at the row's scale: 16 roundings of the largest entry, then
+    # the gradient's rounding to bf16 (half an ulp, 2^-8 of each entry)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    atol = rounding_tolerance(z64.grad, ulps=16, dtype=compute)
+    rtol = 2.0**-8 if dtype == torch.bfloat16 else 0.0
+    assert_verbose_close(zz.grad, z64.grad, atol=atol, rtol=rtol, what="gradient")
 
 
 @pytest.mark.parametrize("name", ["full", "k3"])
