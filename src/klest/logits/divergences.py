@@ -544,6 +544,9 @@ def tv_from_logits(
         memory_budget=memory_budget,
         chunk_size=chunk_size,
         backend=backend,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
         validate=validate,
         return_details=return_details,
     )
