@@ -360,3 +360,16 @@ def test_group_without_a_baseline_that_uses_it_warns():
         warnings.simplefilter("error", UserWarning)
         klest.kl_penalty(lp, lp.detach() * 0.5, group=group, baseline="loo")
         klest.kl_penalty(lp, lp.detach() * 0.5, group=group, estimator="cv", alpha="loo")
+
+
+def test_leave_one_out_over_a_single_sequence_says_it_does_nothing(monkeypatch):
+    monkeypatch.setattr("klest._checks._WARNED_ONCE", set())
+    lp = -torch.rand(1, 4, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(UserWarning, match="batch of one sequence"):
+        klest.kl_penalty(lp, lp.detach() * 0.5, baseline="loo")
+    with warnings.catch_warnings():  # once per process; two rows: no warning
+        warnings.simplefilter("error", UserWarning)
+        klest.kl_penalty(lp, lp.detach() * 0.5, baseline="loo")
+        monkeypatch.setattr("klest._checks._WARNED_ONCE", set())
+        two = -torch.rand(2, 4, dtype=torch.float64, requires_grad=True)
+        klest.kl_penalty(two, two.detach() * 0.5, baseline="loo")
