@@ -13,9 +13,11 @@ implementation fails it at a seed chosen blindly, and derives its thresholds fro
 - Power: where a test asserts that something *is* detected, its sample size is chosen so that
   the expected statistic is well above the threshold (each such test says by how much).
 
-Every statistical test draws through a fixed seed, so it is deterministic; the ``slow``
-companions rerun a test's computation over many seeds and check the failures they see against
-the stated rate (:func:`assert_failures_consistent`).
+Every statistical test draws through a fixed seed, so it is deterministic; its ``calibration``
+companion (a pytest marker: ``make calibration`` runs them, ``make test`` does not) reruns the
+test's computation over many seeds and checks the failures it sees against the stated rate
+(:func:`assert_failures_consistent`): the evidence for the threshold, not a check of the code
+that the test itself lacks.
 """
 
 from __future__ import annotations
@@ -63,7 +65,7 @@ def t_for(
 
 
 def assert_failures_consistent(stats: list[float], threshold: float, rate: float, what: str):
-    """A ``slow`` companion's verdict: ``stats`` are one test statistic per seed (larger is
+    """A ``calibration`` companion's verdict: ``stats`` are one test statistic per seed (larger is
     worse), ``threshold`` the test's, ``rate`` its false-fail rate per seed.
 
     With ``rate * len(stats) << 1`` a correct implementation shows no failure at all (the

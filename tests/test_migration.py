@@ -322,13 +322,10 @@ def quick(tmp_path_factory) -> dict:
 
 # The hypotheses asserted to hold (each statistic below Z_HOLD), Bonferroni at RATE over all of
 # them. The detections (statistics asserted above Z_HOLD, and, through the verdicts, above the
-# table's own stricter threshold, 4.78: the other hypotheses are rejected) have power. Measured
-# over 20 runs of the quick size (600 batches): the weakest are score+mean against grad
-# KL(pi||ref), 9.6 +- 1.0 (smallest 7.8), and k3/autodiff against the sequence-level
-# KL(ref||pi), 11.4 +- 1.1 (smallest 9.3): 5 and 6 standard deviations above 4.78; the others
-# are above 15. (At 300 batches they were 6.9 +- 0.8 and 8.4 +- 1.3, the first 2.7 standard
-# deviations above 4.78: about 3e-3 of runs would fail.) The largest null statistic in those 20
-# runs was 2.1 against 4.41.
+# table's own stricter threshold, 4.78: the other hypotheses are rejected) have power at the
+# quick size (600 batches): the weakest are score+mean against grad KL(pi||ref), 9.6 +- 1.0,
+# and k3/autodiff against the sequence-level KL(ref||pi), 11.4 +- 1.1: 5 and 6 standard
+# deviations above 4.78; the others are above 15. The nulls are at 4.41.
 HOLDS = {
     # gradient key: (part, direction or "zero") whose statistic must stay below the threshold
     "k1/autodiff": ("sequence", "zero"),
