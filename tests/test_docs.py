@@ -28,6 +28,8 @@ PUBLIC_MODULES = (
     "klest.integrations.verl",
     "klest.integrations.openrlhf",
     "klest.integrations.migration",
+    "klest.distributed",
+    "klest.layout",
 )
 
 

@@ -20,6 +20,7 @@ from klest._types import Estimator
 from klest._types import Grad
 from klest._types import Level
 from klest._types import Reduction
+from klest.aggregation import GlobalCounts
 from klest.aggregation import KLDiagnostics
 from klest.aggregation import WithDetails
 from klest.aggregation import aggregate
@@ -56,11 +57,17 @@ from klest.sampled.penalty import GradientEstimator
 from klest.sampled.penalty import KLGradientWarning
 from klest.sampled.penalty import PenaltyDetails
 from klest.sampled.penalty import kl_penalty
+from klest.sampled.penalty import PenaltyTargets
+from klest.sampled.penalty import penalty_targets
+from klest.sampled.baselines import group_baselines
+from klest.layout import cu_seqlens_from_position_ids
+from klest.layout import cu_seqlens_from_sequence_ids
 from klest.sampled.rewards import kl_reward
 from klest.sampled.baselines import BaselineEMA
 from klest.sampled.baselines import LooScaleEMA
 from klest.surrogates import decouple
-import klest.nn  # noqa: F401 (the submodule is public: klest.nn.KLPenalty, ...)
+import klest.nn
+import klest.distributed  # noqa: F401 (public: klest.distributed.global_counts)
 
 __version__ = "0.1.0"
 
@@ -74,6 +81,7 @@ __all__ = [
     "Direction",
     "EstimateDetails",
     "Estimator",
+    "GlobalCounts",
     "Grad",
     "GradAudit",
     "GradientEstimator",
@@ -83,6 +91,7 @@ __all__ = [
     "LogitsDetails",
     "LooScaleEMA",
     "PenaltyDetails",
+    "PenaltyTargets",
     "Reduction",
     "TopKDetails",
     "TopKEstimator",
@@ -92,10 +101,13 @@ __all__ = [
     "audit_grad",
     "audit_value",
     "categorical_kl",
+    "cu_seqlens_from_position_ids",
+    "cu_seqlens_from_sequence_ids",
     "cv",
     "decouple",
     "f_divergence",
     "get_default_validate",
+    "group_baselines",
     "jsd_from_hidden",
     "jsd_from_logits",
     "k1",
@@ -109,6 +121,7 @@ __all__ = [
     "kl_from_topk",
     "kl_penalty",
     "kl_reward",
+    "penalty_targets",
     "set_default_validate",
     "skew_kl_from_hidden",
     "skew_kl_from_logits",

@@ -380,10 +380,12 @@ def check_int_ids(
     return ids
 
 
-def check_group(group: object, shape: torch.Size, device: torch.device) -> Tensor:
-    """Integer group ids, one per row of log-probs shaped ``shape``; returned flat ``[rows]``."""
-    rows_shape = shape[:-1] if len(shape) >= 2 else shape
-    of = f"the rows (sequences) of the log-probs of shape {tuple(shape)}"
+def check_group(
+    group: object, rows_shape: torch.Size, device: torch.device, *, of_shape: torch.Size
+) -> Tensor:
+    """Integer group ids, one per sequence (``rows_shape``) of log-probs shaped ``of_shape``;
+    returned flat ``[rows]``."""
+    of = f"the rows (sequences) of the log-probs of shape {tuple(of_shape)}"
     return check_int_ids("group", group, rows_shape, device, of=of).reshape(-1)
 
 

@@ -42,16 +42,10 @@ from klest._checks import (
     resolve_validate,
 )
 from klest._types import DEFAULT_REDUCTION, Reduction
+from klest.layout import Layout, PackedLayout, PaddedLayout, layout_of
 
 SEQUENCE_REDUCTIONS = ("per-sequence", "seq-mean-token-sum", "sum")
 """The reductions that apply to one value per sequence (``level="sequence"``)."""
-
-
-def as_rows(x: Tensor) -> Tensor:
-    """View ``x`` as ``[rows, T]`` under the layout convention (1-D -> ``[N, 1]``)."""
-    if x.ndim <= 1:
-        return x.reshape(-1, 1)
-    return x.reshape(math.prod(x.shape[:-1]), x.shape[-1])  # not -1: T may be 0
 
 
 def sequence_shape(shape: torch.Size) -> torch.Size:
@@ -59,26 +53,92 @@ def sequence_shape(shape: torch.Size) -> torch.Size:
     return shape[:-1] if len(shape) >= 2 else shape
 
 
-def reduce_rows(values: Tensor, valid: Tensor | None, reduction: str, shape: torch.Size) -> Tensor:
+class GlobalCounts(NamedTuple):
+    r"""The normalisers of a loss computed in pieces: over data-parallel ranks and
+    gradient-accumulation micro-batches.
+
+    A mean reduction divides a piece's local sum by the count over *every* piece of the step
+    instead of its own, so the pieces' losses add up to the loss of the whole batch:
+
+    .. math:: 	ext{token-mean} = rac{scale}{N_{tokens}} \sum_{	ext{local tokens}} v,
+              \qquad 	ext{seq-mean-*} = rac{scale}{N_{sequences}}
+              \sum_{	ext{local sequences}} v_s
+
+    and ``"sum"`` is multiplied by ``scale``. ``scale`` undoes the engine's averaging of
+    gradients over ranks (its number of ranks when it averages, as DDP and FSDP do by default;
+    1 when it sums): the gradients the engine combines are then the whole batch's. Build them with
+    :func:`klest.distributed.global_counts`, or from counts the engine already has (verl's
+    ``batch_num_tokens``, TRL's ``num_items_in_batch``, torchtitan's ``global_valid_tokens``).
+    Never divide the loss by the number of micro-batches as well.
+
+    Attributes:
+      tokens: valid tokens of the whole step (a number or a 0-dim tensor).
+      sequences: sequences with a valid token in the whole step.
+      scale: the loss multiplier (the data-parallel world size under gradient averaging).
+    """
+
+    tokens: float | Tensor
+    sequences: float | Tensor
+    scale: float = 1.0
+
+
+def check_counts(counts: object, reduction: str) -> None:
+    """``counts`` must be a :class:`GlobalCounts`, for a scalar reduction."""
+    if counts is None:
+        return
+    if not isinstance(counts, GlobalCounts):
+        raise TypeError(
+            f"counts must be a klest.GlobalCounts (klest.distributed.global_counts), got "
+            f"{type(counts).__name__}"
+        )
+    if reduction in ("none", "per-sequence"):
+        raise ValueError(
+            f"counts normalise the scalar reductions; reduction={reduction!r} returns per-element "
+            "values (reduce them yourself, or use 'token-mean' / 'seq-mean-token-sum' / 'sum')"
+        )
+
+
+def reduce_rows(
+    values: Tensor,
+    valid: Tensor | None,
+    reduction: str,
+    layout: torch.Size | Layout,
+    counts: GlobalCounts | None = None,
+) -> Tensor:
     """Reduce ``[rows, T]`` values whose invalid positions are already 0 (module docstring).
 
-    ``valid`` is None when every position counts (no mask). ``shape`` is the caller's layout
-    (``[..., T]`` or ``[N]``): ``"none"`` restores it and ``"per-sequence"`` gives
-    :func:`sequence_shape` of it.
+    ``valid`` is None when every position counts (no mask). ``layout`` is the caller's
+    (:mod:`klest.layout`; a shape means padded): ``"none"`` restores it and ``"per-sequence"``
+    gives one value per sequence. ``counts``: global normalisers of the mean reductions.
     """
+    if not isinstance(layout, PaddedLayout | PackedLayout):
+        layout = PaddedLayout(torch.Size(layout))
     if reduction == "none":
-        return values.reshape(shape)
-    if reduction == "sum":
-        return values.sum()
+        return layout.tokens(values)
     rows, t = values.shape
-    if reduction == "token-mean":
-        return values.sum() / _at_least_one(rows * t if valid is None else valid.sum())
     per_row = values.squeeze(-1) if t == 1 else values.sum(-1)
     if reduction == "per-sequence":
-        return per_row.reshape(sequence_shape(shape))
+        return per_row.reshape(layout.sequences_shape)
     if reduction == "seq-mean-token-mean":
         per_row = per_row / _at_least_one(t if valid is None else valid.sum(-1))
+    if counts is not None:
+        if reduction == "sum":
+            return values.sum() * counts.scale
+        count = counts.tokens if reduction == "token-mean" else counts.sequences
+        total = values.sum() if reduction == "token-mean" else per_row.sum()
+        return total * counts.scale / _at_least_one_count(count, total.dtype)
+    if reduction == "sum":
+        return values.sum()
+    if reduction == "token-mean":
+        return values.sum() / _at_least_one(rows * t if valid is None else valid.sum())
     return per_row.sum() / _at_least_one(rows if valid is None else valid.any(-1).sum())
+
+
+def _at_least_one_count(count: float | Tensor, dtype: torch.dtype) -> float | Tensor:
+    """A global count as a divisor in the loss's dtype: at least 1 (no sync for a tensor)."""
+    if isinstance(count, Tensor):
+        return count.detach().to(dtype).clamp(min=1)
+    return max(float(count), 1.0)
 
 
 def _at_least_one(count: int | Tensor) -> int | Tensor:
@@ -91,6 +151,9 @@ def aggregate(
     *,
     mask: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
+    counts: GlobalCounts | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
     validate: bool | None = None,
 ) -> Tensor:
     r"""Reduce per-token values over tokens, sequences and the batch, by the one rule of klest.
@@ -106,6 +169,11 @@ def aggregate(
       values: per-token values, ``[..., T]`` (rows of tokens) or ``[N]`` (independent samples).
       mask: same shape, True (or 1) where a token counts. Rows may be empty.
       reduction: see the table; default ``"seq-mean-token-sum"``.
+      counts: the step's global counts (:class:`GlobalCounts`) when the batch is one piece of
+        it (a data-parallel rank, a micro-batch): the means divide by them.
+      cu_seqlens: packed sequences (:mod:`klest.layout`): ``values`` ``[total]`` holds them one
+        after another.
+      max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known.
       validate: check the mask holds only 0/1 (None: the global default).
 
     Returns:
@@ -122,14 +190,19 @@ def aggregate(
     """
     check_float_tensor("values", values, what="per-token values")
     check_choice("reduction", reduction, Reduction)
+    check_counts(counts, reduction)
     checks = ValueChecks(resolve_validate(validate))
-    rows = as_rows(values)
+    layout = layout_of(values.shape, values.device, cu_seqlens, max_seqlen, checks, name="values")
+    rows = layout.rows(values)
     valid = None
-    if mask is not None:
-        valid = as_rows(check_mask(mask, values.shape, values.device, checks, of="values"))
+    if mask is not None or cu_seqlens is not None:
+        keep = torch.ones_like(values, dtype=torch.bool)
+        if mask is not None:
+            keep = check_mask(mask, values.shape, values.device, checks, of="values")
+        valid = layout.rows(keep)
         rows = torch.where(valid, rows, torch.zeros_like(rows))
     checks.run()
-    return reduce_rows(rows, valid, reduction, values.shape)
+    return reduce_rows(rows, valid, reduction, layout, counts)
 
 
 class KLDiagnostics(NamedTuple):

@@ -27,7 +27,7 @@ from klest._types import (
     Level,
     Reduction,
 )
-from klest.aggregation import WithDetails
+from klest.aggregation import GlobalCounts, WithDetails
 from klest.logits import LogitsDetails, kl_from_hidden, kl_from_logits
 from klest.sampled.baselines import BaselineEMA, LooScaleEMA
 from klest.sampled.control_variates import Alpha, AlphaEMA
@@ -135,9 +135,13 @@ class KLPenalty(nn.Module):
         logits: Tensor | None = None,
         logits_ref: Tensor | None = None,
         logp_stl: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+        max_seqlen: int | None = None,
+        counts: GlobalCounts | None = None,
         return_details: bool = False,
     ) -> Tensor | WithDetails[PenaltyDetails]:
-        """``beta * kl_penalty(logp, logp_ref, ...)`` with this module's options."""
+        """``beta * kl_penalty(logp, logp_ref, ...)`` with this module's options (the batch's
+        layout, ``cu_seqlens`` / ``max_seqlen``, and the step's ``counts`` per call)."""
         out = kl_penalty(
             logp,
             logp_ref,
@@ -155,6 +159,9 @@ class KLPenalty(nn.Module):
             logits=logits,
             logits_ref=logits_ref,
             logp_stl=logp_stl,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            counts=counts,
             density=self.density,
             validate=self.validate,
             return_details=return_details,
@@ -220,6 +227,9 @@ class KLFromLogits(nn.Module):
         *,
         mask: Tensor | None = None,
         labels: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+        max_seqlen: int | None = None,
+        counts: GlobalCounts | None = None,
         return_details: bool = False,
     ) -> Tensor | WithDetails[LogitsDetails]:
         """:func:`klest.kl_from_logits` with this module's options."""
@@ -234,6 +244,9 @@ class KLFromLogits(nn.Module):
             ignore_index=self.ignore_index,
             memory_budget=self.memory_budget,
             backend=self.backend,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            counts=counts,
             validate=self.validate,
             return_details=return_details,
         )
@@ -306,6 +319,9 @@ class KLFromHidden(nn.Module):
         logits_ref: Tensor | None = None,
         mask: Tensor | None = None,
         labels: Tensor | None = None,
+        cu_seqlens: Tensor | None = None,
+        max_seqlen: int | None = None,
+        counts: GlobalCounts | None = None,
         return_details: bool = False,
     ) -> Tensor | WithDetails[LogitsDetails]:
         """:func:`klest.kl_from_hidden` with this module's heads and options."""
@@ -330,6 +346,9 @@ class KLFromHidden(nn.Module):
             ignore_index=self.ignore_index,
             memory_budget=self.memory_budget,
             backend=self.backend,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+            counts=counts,
             validate=self.validate,
             return_details=return_details,
         )

@@ -150,7 +150,7 @@ class Method:
                 grad=self.grad,  # type: ignore[arg-type]
                 baseline=self.baseline,  # type: ignore[arg-type]
                 mask=r.mask,
-                group=r.group,
+                group=r.group if self.baseline is not None else None,
                 logits=r.logits,
                 logits_ref=r.logits_ref,
             )

@@ -74,11 +74,13 @@ class KlestOptions:
     """The options of :func:`klest.kl_penalty` that a drop-in passes on (see its arguments)."""
 
     mask: Tensor | None = None
-    baseline: Baseline | BaselineEMA | None = None
+    baseline: Baseline | BaselineEMA | Tensor | None = None
     group: Tensor | None = None
     logp_behavior: Tensor | None = None
     logits: Tensor | None = None
     logits_ref: Tensor | None = None
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int | None = None
     validate: bool | None = None
 
     def per_token(

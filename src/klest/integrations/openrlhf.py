@@ -112,6 +112,8 @@ def compute_approx_kl(
     group: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
     validate: bool | None = None,
 ) -> Tensor:
     r"""OpenRLHF's per-token KL estimate (same name, arguments and value), with a choice of
@@ -161,6 +163,9 @@ def compute_approx_kl(
       group: integer prompt ids ``[...]`` for the baseline (default: the whole batch).
       logits: for ``grad="rb"``: pi's logits along the samples ``[..., T, V]``, with graph.
       logits_ref: ref's logits, same shape.
+      cu_seqlens: packed sequences (:mod:`klest.layout`) for klest's gradients: the
+        log-probs are ``[total]``, the sequences' tokens one after another.
+      max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known.
       validate: run the value checks (None: the global default).
 
     Returns:
@@ -190,6 +195,8 @@ def compute_approx_kl(
         logp_behavior=log_probs_old,
         logits=logits,
         logits_ref=logits_ref,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
         validate=validate,
     )
     if grad != "peer":

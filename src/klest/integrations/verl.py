@@ -58,7 +58,7 @@ from torch import Tensor
 from klest._checks import ArgumentNames, check_choice, check_positive_int
 from klest._numerics import exp_tail
 from klest._types import Baseline, Reduction
-from klest.aggregation import aggregate, as_rows
+from klest.aggregation import GlobalCounts, aggregate
 from klest.integrations._patch import Installed, replace_function
 from klest.integrations._peer_gradient import (
     KlestOptions,
@@ -151,6 +151,8 @@ def kl_penalty(
     logp_behavior: Tensor | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
     validate: bool | None = None,
 ) -> Tensor:
     r"""verl's per-token KL estimate (same name, arguments and value), with a choice of gradient.
@@ -207,6 +209,9 @@ def kl_penalty(
       logits: for ``grad="rb"`` (not ``"full"``): pi's logits along the samples
         ``[..., T, V]``, with graph.
       logits_ref: ref's logits, same shape.
+      cu_seqlens: packed sequences (:mod:`klest.layout`) for klest's gradients: the
+        log-probs are ``[total]``, the sequences' tokens one after another.
+      max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known.
       validate: run the value checks (None: the global default).
 
     Returns:
@@ -237,6 +242,8 @@ def kl_penalty(
         logp_behavior=logp_behavior,
         logits=logits,
         logits_ref=logits_ref,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
         validate=validate,
     )
     if base == "full":
@@ -313,6 +320,8 @@ def agg_loss(
     global_batch_size: int | float | Tensor | None = None,
     loss_scale_factor: int | None = None,
     *,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
     validate: bool | None = None,
 ) -> Tensor:
     r"""verl's loss aggregation (same name, arguments and values), by klest's reduction rule.
@@ -349,7 +358,11 @@ def agg_loss(
       dp_size: data-parallel world size; above 1 the global count must be given.
       batch_num_tokens: valid tokens in the global batch (``"token-mean"``).
       global_batch_size: non-empty sequences in the global batch (``"seq-mean-*"``).
-      loss_scale_factor: the divisor of ``"seq-mean-token-sum-norm"`` (default ``T``).
+      loss_scale_factor: the divisor of ``"seq-mean-token-sum-norm"`` (default ``T``; needed
+        with ``cu_seqlens``).
+      cu_seqlens: packed sequences (:mod:`klest.layout`): ``loss_mat`` and ``loss_mask`` are
+        ``[total]``, the sequences' tokens one after another.
+      max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known.
       validate: check the mask holds only 0/1 (None: the global default).
 
     Returns:
@@ -374,36 +387,35 @@ def agg_loss(
         return aggregate(loss_mat, mask=loss_mask, reduction="sum", validate=validate) * dp
     token_level = loss_agg_mode == "token-mean"
     count = batch_num_tokens if token_level else global_batch_size
-    if count is None and dp > 1:
+    if count is None and dp > 1 and loss_agg_mode != "token-sum":
         needed = "batch_num_tokens" if token_level else "global_batch_size"
         raise ValueError(
             f"loss_agg_mode={loss_agg_mode!r} with dp_size={dp} needs {needed}, the global count "
             "(each rank's local mean would be averaged again across ranks)"
         )
-    if count is None:
-        reduction = cast(
-            Reduction, "seq-mean-token-sum" if loss_agg_mode.endswith("-norm") else loss_agg_mode
+    if loss_agg_mode.endswith("-norm") and cu_seqlens is not None and scale is None:
+        raise ValueError(
+            "loss_agg_mode='seq-mean-token-sum-norm' with cu_seqlens needs "
+            "loss_scale_factor (verl's maximum response length)"
         )
-        loss = aggregate(loss_mat, mask=loss_mask, reduction=reduction, validate=validate)
-    elif token_level:
-        total = aggregate(loss_mat, mask=loss_mask, reduction="sum", validate=validate)
-        loss = total / _at_least_one(count) * dp
-    else:
-        per_row = aggregate(loss_mat, mask=loss_mask, reduction="per-sequence", validate=validate)
-        if loss_agg_mode == "seq-mean-token-mean":
-            n_valid = as_rows(loss_mask != 0).sum(-1).reshape(per_row.shape)
-            per_row = per_row / n_valid.clamp(min=1)
-        loss = per_row.sum() / _at_least_one(count) * dp
+    reduction = {"token-sum": "sum", "seq-mean-token-sum-norm": "seq-mean-token-sum"}.get(
+        loss_agg_mode, loss_agg_mode
+    )
+    counts = None
+    if count is not None or loss_agg_mode == "token-sum":
+        counts = GlobalCounts(1 if count is None else count, 1 if count is None else count, dp)
+    loss = aggregate(
+        loss_mat,
+        mask=loss_mask,
+        reduction=cast(Reduction, reduction),
+        counts=counts,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        validate=validate,
+    )
     if loss_agg_mode.endswith("-norm"):
         loss = loss / (loss_mask.shape[-1] if scale is None else scale)
     return loss
-
-
-def _at_least_one(count: int | float | Tensor) -> float | Tensor:
-    """A global count as a divisor: at least 1, so an empty batch gives 0, never NaN."""
-    if isinstance(count, Tensor):
-        return count.clamp(min=1)
-    return max(float(count), 1.0)
 
 
 def install(

@@ -9,6 +9,7 @@ five per-row outputs into the public result (:func:`finish`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,7 +27,15 @@ from klest._checks import (
     check_positive_int,
 )
 from klest._types import Backend, Reduction
-from klest.aggregation import KLDiagnostics, WithDetails, as_rows, diagnostics, reduce_rows
+from klest.aggregation import (
+    GlobalCounts,
+    KLDiagnostics,
+    WithDetails,
+    check_counts,
+    diagnostics,
+    reduce_rows,
+)
+from klest.layout import Layout, PaddedLayout, layout_of
 from klest.logits._rows import chunk_rows, resolve_backend, workspace_bytes_per_row
 from klest.logits._stats import KLRowStats
 
@@ -66,6 +75,8 @@ class Positions:
     direction: str
     reduction: str
     details: bool
+    layout: Layout | None = None  # None: padded, ``lead``
+    counts: GlobalCounts | None = None
 
     def selection(self, backend: str) -> tuple[Tensor | None, Tensor | None]:
         """``(rows, flags)`` for a row engine: the Triton kernels take one bool flag per row of
@@ -115,13 +126,31 @@ def positions(
     return Positions(lead, flat, keep, direction, reduction, details)
 
 
+def in_sequences(
+    pos: Positions,
+    *,
+    cu_seqlens: Tensor | None,
+    max_seqlen: int | None,
+    counts: GlobalCounts | None,
+    device: torch.device,
+    checks: ValueChecks,
+) -> Positions:
+    """``pos`` with the sequence structure its reduction follows: packed sequences
+    (``cu_seqlens``, :mod:`klest.layout`) and the step's global counts (``counts``)."""
+    check_counts(counts, pos.reduction)
+    layout = layout_of(pos.lead, device, cu_seqlens, max_seqlen, checks, name="logits")
+    return dataclasses.replace(pos, layout=layout, counts=counts)
+
+
 def finish(outputs: tuple[Tensor, ...], pos: Positions) -> Tensor | WithDetails[LogitsDetails]:
     """Shape the per-row outputs of the autograd Functions into what the public API returns."""
     kl_pi_ref, kl_ref_pi, entropy, logp, logp_ref = outputs
-    rows = as_rows((kl_pi_ref if pos.direction == "pi||ref" else kl_ref_pi).reshape(pos.lead))
-    valid = torch.ones_like(rows, dtype=torch.bool) if pos.keep is None else as_rows(pos.keep)
-    rows = torch.where(valid, rows, 0.0)
-    kl = reduce_rows(rows, valid, pos.reduction, pos.lead)
+    per_position = (kl_pi_ref if pos.direction == "pi||ref" else kl_ref_pi).reshape(pos.lead)
+    keep = torch.ones(pos.lead, dtype=torch.bool, device=per_position.device)
+    layout = pos.layout or PaddedLayout(pos.lead)
+    valid = layout.rows(keep if pos.keep is None else pos.keep)
+    rows = torch.where(valid, layout.rows(per_position), 0.0)
+    kl = reduce_rows(rows, valid, pos.reduction, layout, pos.counts)
     if not pos.details:
         return kl
     with_labels = pos.labels is not None

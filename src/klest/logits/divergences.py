@@ -43,8 +43,8 @@ from klest._checks import (
     resolve_validate,
 )
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
-from klest.aggregation import WithDetails
-from klest.logits._call import LogitsDetails, check_plan_options, finish
+from klest.aggregation import GlobalCounts, WithDetails
+from klest.logits._call import LogitsDetails, check_plan_options, finish, in_sequences
 from klest.logits._divergence_rows import (
     BUFFERS_PER_ROW,
     ROW_OUTPUTS,
@@ -67,6 +67,9 @@ __all__ = [
 
 _OPTIONS = (
     "mask",
+    "cu_seqlens",
+    "max_seqlen",
+    "counts",
     "reduction",
     "temperature",
     "labels",
@@ -230,6 +233,9 @@ def _from_logits(
     memory_budget: int | None,
     chunk_size: int | None,
     backend: str,
+    cu_seqlens: Tensor | None,
+    max_seqlen: int | None,
+    counts: GlobalCounts | None,
     validate: bool | None,
     return_details: bool,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -256,6 +262,14 @@ def _from_logits(
     )
     rows, flags = pos.selection(plan.backend)
     outputs = _RowsDivergence.apply(z, y, pos.labels, rows, flags, plan, checks)
+    pos = in_sequences(
+        pos,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
+        device=logits.device,
+        checks=checks,
+    )
     checks.run()
     return finish(outputs, pos)
 
@@ -300,6 +314,9 @@ def jsd_from_logits(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -352,6 +369,7 @@ def jsd_from_logits(
       chunk_size: rows per chunk, overriding ``memory_budget``.
       backend: ``"auto"`` (Triton on CUDA when available, else PyTorch), ``"torch"``,
         ``"triton"`` (also on CPU tensors under ``TRITON_INTERPRET=1``, for tests).
+      cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: check for rows with NaN / ``+inf`` logits or no finite logit, labels out of
         range, non-0/1 masks (None: the global default).
       return_details: also return a :class:`~klest.LogitsDetails` (label log-probs, pi's
@@ -397,6 +415,9 @@ def skew_kl_from_logits(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -430,6 +451,7 @@ def skew_kl_from_logits(
       memory_budget: as in :func:`jsd_from_logits`.
       chunk_size: as in :func:`jsd_from_logits`.
       backend: as in :func:`jsd_from_logits`.
+      cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
 
@@ -464,6 +486,9 @@ def tv_from_logits(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -494,6 +519,7 @@ def tv_from_logits(
       memory_budget: as in :func:`jsd_from_logits`.
       chunk_size: as in :func:`jsd_from_logits`.
       backend: as in :func:`jsd_from_logits`.
+      cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
 
@@ -518,6 +544,9 @@ def tv_from_logits(
         memory_budget=memory_budget,
         chunk_size=chunk_size,
         backend=backend,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
         validate=validate,
         return_details=return_details,
     )
@@ -541,6 +570,9 @@ def jsd_from_hidden(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -582,6 +614,7 @@ def jsd_from_hidden(
         1 GiB on a GPU).
       chunk_size: rows per chunk, overriding ``memory_budget``.
       backend: as in :func:`jsd_from_logits`.
+      cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
 
@@ -626,6 +659,9 @@ def skew_kl_from_hidden(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -666,6 +702,7 @@ def skew_kl_from_hidden(
       memory_budget: as in :func:`jsd_from_hidden`.
       chunk_size: as in :func:`jsd_from_hidden`.
       backend: as in :func:`jsd_from_hidden`.
+      cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_hidden`.
       return_details: as in :func:`jsd_from_hidden`.
 
@@ -709,6 +746,9 @@ def tv_from_hidden(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -744,6 +784,7 @@ def tv_from_hidden(
       memory_budget: as in :func:`jsd_from_hidden`.
       chunk_size: as in :func:`jsd_from_hidden`.
       backend: as in :func:`jsd_from_hidden`.
+      cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_hidden`.
       return_details: as in :func:`jsd_from_hidden`.
 

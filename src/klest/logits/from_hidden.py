@@ -40,8 +40,15 @@ from klest._checks import (
     resolve_validate,
 )
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
-from klest.aggregation import WithDetails
-from klest.logits._call import OUTPUTS, LogitsDetails, check_plan_options, finish, positions
+from klest.aggregation import GlobalCounts, WithDetails
+from klest.logits._call import (
+    OUTPUTS,
+    LogitsDetails,
+    check_plan_options,
+    finish,
+    in_sequences,
+    positions,
+)
 from klest.logits._rows import (
     chunk_rows,
     resolve_backend,
@@ -316,6 +323,9 @@ def kl_from_hidden(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -356,6 +366,7 @@ def kl_from_hidden(
         1 GiB on a GPU).
       chunk_size: rows per chunk, overriding ``memory_budget``.
       backend: as in :func:`klest.kl_from_logits`.
+      cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`klest.kl_from_logits`.
       return_details: also return a :class:`~klest.LogitsDetails`.
 
@@ -392,6 +403,9 @@ def kl_from_hidden(
         memory_budget=memory_budget,
         chunk_size=chunk_size,
         backend=backend,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
         validate=validate,
         return_details=return_details,
         make_plan=make_plan,
@@ -417,6 +431,9 @@ def run_hidden(
     memory_budget: int | None,
     chunk_size: int | None,
     backend: str,
+    cu_seqlens: Tensor | None,
+    max_seqlen: int | None,
+    counts: GlobalCounts | None,
     validate: bool | None,
     return_details: bool,
     make_plan: Callable[[float, str, int], HiddenRowPlan],
@@ -450,6 +467,14 @@ def run_hidden(
     plan = make_plan(1.0 / tau, resolved, chunk_rows(per_row, h.device, memory_budget, chunk_size))
     outputs = _HiddenRows.apply(
         h, weight, bias, h_ref, w_ref, bias_ref, y, pos.labels, pos.rows, plan, checks
+    )
+    pos = in_sequences(
+        pos,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
+        device=hidden.device,
+        checks=checks,
     )
     checks.run()
     return finish(outputs, pos)

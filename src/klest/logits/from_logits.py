@@ -42,13 +42,14 @@ from klest._checks import (
     resolve_validate,
 )
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
-from klest.aggregation import WithDetails
+from klest.aggregation import GlobalCounts, WithDetails
 from klest.logits._call import (
     OUTPUTS,
     LogitsDetails,
     Positions,
     RowPlan,
     finish,
+    in_sequences,
     plan_for,
     positions,
 )
@@ -274,6 +275,9 @@ def kl_from_logits(
     chunk_size: int | None = None,
     backend: Backend = "auto",
     stash: bool = True,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -323,6 +327,12 @@ def kl_from_logits(
         ``"triton"`` (also on CPU tensors under ``TRITON_INTERPRET=1``, for tests).
       stash: write the KL's gradient during the forward pass when the KL is the only output
         (PyTorch backend); ``False`` recomputes in the backward instead.
+      cu_seqlens: packed sequences (:mod:`klest.layout`): the positions ``[total]`` hold the
+        tokens of ``S`` sequences one after another, at offsets ``cu_seqlens`` ``[S + 1]``; the
+        sequence reductions follow them (``"per-sequence"`` gives ``[S]``).
+      max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known (no host read).
+      counts: the step's global counts (:class:`~klest.GlobalCounts`) when this call is one
+        piece of it (a data-parallel rank, a micro-batch): the means divide by them.
       validate: check for rows with NaN / ``+inf`` logits or no finite logit, labels out of
         range, non-0/1 masks (None: the global default).
       return_details: also return a :class:`~klest.LogitsDetails` (label log-probs, pi's
@@ -361,6 +371,14 @@ def kl_from_logits(
         chunk_size=chunk_size,
         backend=backend,
         stash=stash,
+        checks=checks,
+    )
+    pos = in_sequences(
+        pos,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
+        device=logits.device,
         checks=checks,
     )
     checks.run()

@@ -82,7 +82,15 @@ from klest._checks import (
 )
 from klest._numerics import exp_tail, xexp_tail
 from klest._types import DEFAULT_REDUCTION, Direction, Reduction
-from klest.aggregation import KLDiagnostics, WithDetails, as_rows, diagnostics, reduce_rows
+from klest.aggregation import (
+    GlobalCounts,
+    KLDiagnostics,
+    WithDetails,
+    check_counts,
+    diagnostics,
+    reduce_rows,
+)
+from klest.layout import layout_of
 from klest.logits._call import Positions, positions
 from klest.logits._rows import chunk_rows
 from klest.surrogates import join
@@ -257,6 +265,9 @@ def kl_from_topk(
     temperature: float = 1.0,
     ignore_index: int = -100,
     memory_budget: int | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[TopKDetails]:
@@ -314,6 +325,8 @@ def kl_from_topk(
       temperature: :math:`T > 0` dividing the student's logits.
       ignore_index: the label of positions to leave out.
       memory_budget: bytes of float32 workspace per chunk of rows.
+      cu_seqlens, max_seqlen, counts: packed sequences and global counts, as in
+        :func:`klest.kl_from_logits`.
       validate: run the value checks (None: the global default): index range and uniqueness,
         log-probs finite and ``<= 0``, teacher top-k mass ``<= 1`` (up to rounding), the
         sampled token possible under pi, student rows with a distribution.
@@ -358,6 +371,8 @@ def kl_from_topk(
         details=return_details,
     )
     raw, lr_set = _student_terms(logits, inp, memory_budget)
+    check_counts(counts, reduction)
+    layout = layout_of(inp.lead, logits.device, cu_seqlens, max_seqlen, inp.checks, name="logits")
     inp.checks.run()
     with torch.no_grad():
         value, _ = _values(raw, raw, estimator, direction)
@@ -370,9 +385,12 @@ def kl_from_topk(
 
     lead, rows, n_all = inp.lead, inp.rows, inp.lead.numel()
     flat = torch.zeros(n_all, dtype=inp.dtype, device=logits.device).index_copy(0, rows, per_row)
-    values = as_rows(flat.reshape(lead))
-    valid = None if inp.pos.keep is None else as_rows(inp.pos.keep)
-    result = reduce_rows(values, valid, reduction, lead)
+    values = layout.rows(flat.reshape(lead))
+    valid = None
+    if inp.pos.keep is not None or cu_seqlens is not None:
+        keep = torch.ones(lead, dtype=torch.bool, device=logits.device)
+        valid = layout.rows(keep if inp.pos.keep is None else inp.pos.keep)
+    result = reduce_rows(values, valid, reduction, layout, counts)
     if not return_details:
         return result
     with torch.no_grad():

@@ -29,8 +29,8 @@ from torch import Tensor
 
 from klest._checks import ValueChecks, check_logits_pair, check_temperature, resolve_validate
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
-from klest.aggregation import WithDetails
-from klest.logits._call import LogitsDetails, finish, plan_for, positions
+from klest.aggregation import GlobalCounts, WithDetails
+from klest.logits._call import LogitsDetails, finish, in_sequences, plan_for, positions
 from klest.logits._stats import KLRowStats
 from klest.logits.from_logits import rows_kl
 
@@ -110,6 +110,9 @@ def kl_from_logits_vocab_parallel(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     validate: bool | None = None,
     return_details: bool = False,
 ) -> Tensor | WithDetails[LogitsDetails]:
@@ -137,6 +140,7 @@ def kl_from_logits_vocab_parallel(
       memory_budget: as in :func:`klest.kl_from_logits`.
       chunk_size: as in :func:`klest.kl_from_logits`.
       backend: as in :func:`klest.kl_from_logits`.
+      cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`klest.kl_from_logits` (the checks run after the merge).
       return_details: also return a :class:`~klest.LogitsDetails`.
 
@@ -199,5 +203,13 @@ def kl_from_logits_vocab_parallel(
         return _merge_shards(stats, keep, group=group, owner=owner)
 
     outputs = rows_kl(z, y, local, pos, replace(plan, merge=merge), checks)
+    pos = in_sequences(
+        pos,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
+        device=logits.device,
+        checks=checks,
+    )
     checks.run()
     return finish(outputs, pos)

@@ -82,12 +82,24 @@ Rémi Munos (2025, https://arxiv.org/abs/2506.09477).
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 from torch import Tensor
 
-from klest._checks import check_decay, check_flag
+from klest._checks import (
+    ValueChecks,
+    check_choice,
+    check_decay,
+    check_flag,
+    check_float_tensor,
+    check_group,
+    check_mask,
+    resolve_validate,
+)
 from klest._state import Float64EMAState
-from klest.sampled.groups import position_in_group
+from klest.layout import layout_of
+from klest.sampled.groups import group_keys, position_in_group
 from klest.sampled.sequence import align_left, first_token, unalign
 
 __all__ = [
@@ -96,12 +108,16 @@ __all__ = [
     "baseline_scale",
     "exact_kl_baseline",
     "group_baseline",
+    "group_baselines",
     "mix_coefficient",
     "mix_multipliers",
 ]
 
 # Relative size below which a sum of squares is rounding noise (float64 sums).
 _TINY = 1e-12
+
+GroupKind = Literal["loo", "mean"]
+"""The group baselines :func:`group_baselines` computes."""
 
 
 def group_baseline(targets: Tensor, valid: Tensor, kind: str, keys: Tensor) -> Tensor:
@@ -451,3 +467,65 @@ class LooScaleEMA(Float64EMAState):
 
     def extra_repr(self) -> str:
         return f"decay={self.decay}, per_position={self.per_position}"
+
+
+def group_baselines(
+    targets: Tensor,
+    *,
+    group: Tensor,
+    mask: Tensor | None = None,
+    kind: str = "loo",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    validate: bool | None = None,
+) -> Tensor:
+    r"""Group baselines of a whole batch's targets, to hand to the pieces of a split loss.
+
+    .. math:: b_{it} = \frac{1}{n_{it} - 1} \sum_{j \ne i,\ j \sim i} A_{jt} \quad
+              (\texttt{"loo"}), \qquad
+              b_{it} = \frac{1}{n_{it}} \sum_{j \sim i} A_{jt} \quad (\texttt{"mean"})
+
+    over the samples j of i's group valid at the t-th token of their completion (positions
+    counted from each completion's first valid token; :math:`n_{it}` of them, i included). A
+    sample alone gets 0 (``"loo"``). ``"loo"`` excludes the sample itself, so a loss that
+    subtracts it keeps an unbiased gradient; ``"mean"`` does not (it scales the expected
+    gradient by ``1 - 1/n``). Compute them where the engine sees whole groups, from
+    :func:`klest.penalty_targets`, and pass each piece's rows as ``kl_penalty(baseline=...)``.
+
+    Args:
+      targets: ``[..., T]`` per token (or ``[N]`` per sequence: the ``score`` estimator's),
+        detached; packed with ``cu_seqlens`` as for :func:`klest.kl_penalty`.
+      group: integer ids, one per sequence.
+      mask: where a target counts (``penalty_targets``' mask); default: everywhere.
+      kind: ``"loo"`` (leave-one-out) or ``"mean"``.
+      cu_seqlens, max_seqlen: packed sequences (:mod:`klest.layout`).
+      validate: run the value checks (None: the global default).
+
+    Returns:
+      The baselines, ``targets``' shape and dtype, detached, 0 where ``mask`` is False.
+
+    Example:
+      >>> targets = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 0.0]])
+      >>> group_baselines(targets, group=torch.tensor([0, 0, 1]))  # the other row's, or 0
+      tensor([[3., 4.],
+              [1., 2.],
+              [0., 0.]])
+    """
+    check_float_tensor("targets", targets)
+    check_choice("kind", kind, GroupKind)
+    checks = ValueChecks(resolve_validate(validate))
+    layout = layout_of(
+        targets.shape, targets.device, cu_seqlens, max_seqlen, checks, name="targets"
+    )
+    keep = torch.ones_like(targets, dtype=torch.bool)
+    if mask is not None:
+        keep = check_mask(mask, targets.shape, targets.device, checks, of="the targets")
+    keys = group_keys(
+        check_group(group, layout.sequences_shape, targets.device, of_shape=targets.shape)
+    )
+    checks.run()
+    with torch.no_grad():
+        valid = layout.rows(keep)
+        rows = torch.where(valid, layout.rows(targets.detach()), 0.0)
+        baseline = torch.where(valid, group_baseline(rows, valid, kind, keys), 0.0)
+        return layout.tokens(baseline)

@@ -33,7 +33,6 @@ from torch import Tensor, nn
 from klest._checks import ValueChecks, check_choice, check_decay, first_bad
 from klest._state import keep_float64
 from klest._types import AlphaFit
-from klest.aggregation import as_rows
 from klest.sampled.groups import position_in_group
 from klest.sampled.log_ratios import LogRatios
 from klest.sampled.terms import control_term, naive_term, weighted
@@ -233,12 +232,12 @@ def resolve_alpha(
         )
         if alpha.numel() == 1:
             return alpha.reshape(())
-        if alpha.shape != lr.shape:
+        if alpha.shape != lr.layout.shape:
             raise ValueError(
                 f"alpha has shape {tuple(alpha.shape)}; it must be a scalar or match the "
-                f"estimate's per-element shape {tuple(lr.shape)}"
+                f"estimate's per-element shape {tuple(lr.layout.shape)}"
             )
-        return as_rows(alpha)
+        return lr.layout.rows(alpha)
     if isinstance(alpha, int | float) and not isinstance(alpha, bool):
         if not math.isfinite(alpha):
             raise ValueError(f"alpha must be finite, got {alpha}")

@@ -56,7 +56,7 @@ from klest._checks import (
     resolve_validate,
 )
 from klest._types import DEFAULT_REDUCTION, Direction, Estimator, Level, Reduction
-from klest.aggregation import KLDiagnostics, WithDetails
+from klest.aggregation import GlobalCounts, KLDiagnostics, WithDetails, check_counts
 from klest.sampled.control_variates import Alpha
 from klest.sampled.groups import group_keys, group_sizes
 from klest.sampled.log_ratios import (
@@ -118,6 +118,9 @@ def kl_estimate(
     alpha: Alpha | None = None,
     group: Tensor | None = None,
     logp_behavior: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
     position_kls: Tensor | None = None,
@@ -171,6 +174,12 @@ def kl_estimate(
       position_kls: for ``"rb"``, instead of the logits: the exact per-position KLs
         (``logp.shape``, in ``direction``), e.g. :func:`klest.kl_from_hidden` with
         ``reduction="none"``.
+      cu_seqlens: packed sequences: offsets ``[S + 1]`` of the S sequences whose tokens
+        ``logp`` (``[total]`` or ``[1, total]``) holds one after another (:mod:`klest.layout`);
+        the same estimate as the padded batch.
+      max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known (no host read).
+      counts: global token and sequence counts of a batch computed in pieces
+        (:class:`~klest.GlobalCounts`): the mean reductions divide by them.
       density: the inputs are log-densities of continuous samples (VAEs, VI), which may exceed
         0; for discrete samples (tokens) a log-prob above 0 is an error.
       validate: run the value checks (NaN, log-probs above 0, ...); None: the global default
@@ -204,9 +213,21 @@ def kl_estimate(
         raise ValueError("group applies only to a fitted alpha ('loo', 'crossfit', 'in-sample')")
     checks = ValueChecks(resolve_validate(validate))
     lr = prepare_log_ratios(
-        logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks, density=density
+        logp,
+        logp_ref,
+        logp_behavior=logp_behavior,
+        mask=mask,
+        checks=checks,
+        density=density,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
     )
-    keys = None if group is None else group_keys(check_group(group, logp.shape, logp.device))
+    check_counts(counts, reduction)
+    keys = None
+    if group is not None:
+        keys = group_keys(
+            check_group(group, lr.layout.sequences_shape, logp.device, of_shape=logp.shape)
+        )
     if level == "sequence" and alpha == "loo" and keys is not None:
         checks.warn_once("cv-loo-small-groups", group_sizes(keys) <= SMALL_GROUP, _small_groups)
     kls = None
@@ -234,7 +255,7 @@ def kl_estimate(
         checks=checks,
     )
     checks.run()
-    out = est.reduce(reduction)
+    out = est.reduce(reduction, counts)
     if not return_details:
         return out
     return WithDetails(out, EstimateDetails(est.diagnostics(reduction)))
@@ -249,6 +270,9 @@ def k1(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
@@ -276,6 +300,9 @@ def k1(
         reduction=reduction,
         level=level,
         logp_behavior=logp_behavior,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
         density=density,
         validate=validate,
         return_details=return_details,
@@ -291,6 +318,9 @@ def k2(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
@@ -318,6 +348,9 @@ def k2(
         reduction=reduction,
         level=level,
         logp_behavior=logp_behavior,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
         density=density,
         validate=validate,
         return_details=return_details,
@@ -333,6 +366,9 @@ def k3(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
@@ -363,6 +399,9 @@ def k3(
         reduction=reduction,
         level=level,
         logp_behavior=logp_behavior,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
         density=density,
         validate=validate,
         return_details=return_details,
@@ -378,6 +417,9 @@ def k_abs(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
@@ -402,6 +444,9 @@ def k_abs(
         reduction=reduction,
         level=level,
         logp_behavior=logp_behavior,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
         density=density,
         validate=validate,
         return_details=return_details,
@@ -419,6 +464,9 @@ def cv(
     level: Level = "token",
     group: Tensor | None = None,
     logp_behavior: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
@@ -455,6 +503,9 @@ def cv(
         alpha=alpha,
         group=group,
         logp_behavior=logp_behavior,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
+        counts=counts,
         density=density,
         validate=validate,
         return_details=return_details,
@@ -471,6 +522,9 @@ def f_divergence(
     reduction: Reduction = DEFAULT_REDUCTION,
     level: Level = "token",
     logp_behavior: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
@@ -513,8 +567,16 @@ def f_divergence(
     check_level(level, reduction)
     checks = ValueChecks(resolve_validate(validate))
     lr = prepare_log_ratios(
-        logp, logp_ref, logp_behavior=logp_behavior, mask=mask, checks=checks, density=density
+        logp,
+        logp_ref,
+        logp_behavior=logp_behavior,
+        mask=mask,
+        checks=checks,
+        density=density,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
     )
+    check_counts(counts, reduction)
     lr = at_sequence_level(lr) if level == "sequence" else lr
     if f_prime_at_1 is None:
         one = torch.ones((), dtype=torch.float64, requires_grad=True)
@@ -537,8 +599,8 @@ def f_divergence(
     if lr.valid is not None:
         values = torch.where(lr.valid, values, 0.0)
     checks.run()
-    est = Estimate(values, lr.valid, lr.shape)
-    out = est.reduce(reduction)
+    est = Estimate(values, lr.valid, lr.layout)
+    out = est.reduce(reduction, counts)
     if not return_details:
         return out
     return WithDetails(out, EstimateDetails(est.diagnostics(reduction)))

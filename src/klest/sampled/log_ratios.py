@@ -3,7 +3,7 @@ r"""Stage 1 of the sampled-token path: validated inputs as per-row log-ratios.
 Every sampled-token function starts here. The log-probs of the sampled tokens under pi, ref and
 (off-policy) the behavior policy, and the mask, are checked (structure at once, values queued on
 one :class:`~klest._checks.ValueChecks` read) and laid out as ``[rows, T]`` tensors in the
-compute dtype (:func:`~klest.aggregation.as_rows`), with the per-token log-ratio
+compute dtype (:mod:`klest.layout`), with the per-token log-ratio
 ``delta = logp - logp_ref`` and the log importance weight ``log_w = logp - logp_behavior``, both
 0 at masked positions. :func:`at_sequence_level` sums them per row; :func:`exact_position_kls`
 brings in the exact per-position KLs from the logits for the Rao-Blackwellized estimators.
@@ -30,14 +30,17 @@ from klest._checks import (
     first_bad,
 )
 from klest._types import Level
-from klest.aggregation import SEQUENCE_REDUCTIONS, as_rows
+from klest.aggregation import SEQUENCE_REDUCTIONS
+from klest.layout import Layout, PackedLayout, layout_of
 from klest.logits.from_logits import position_kls as position_kls_from_logits
 
 __all__ = [
     "LogRatios",
     "at_sequence_level",
     "check_level",
+    "check_not_gathered",
     "exact_position_kls",
+    "layout_of",
     "prepare_log_ratios",
 ]
 
@@ -47,14 +50,14 @@ class LogRatios:
     """Validated inputs as ``[rows, T]`` tensors in the compute dtype.
 
     ``delta`` and ``log_w`` are 0 at masked positions (so masked inputs never reach a value or
-    a gradient); ``valid`` is None when there is no mask (every position counts); ``shape`` is
-    the caller's layout, for :func:`~klest.aggregation.reduce_rows`.
+    a gradient); ``valid`` is None when there is no mask and no packing (every position
+    counts); ``layout`` is the caller's (:mod:`klest.layout`), which reductions restore.
     """
 
     delta: Tensor
     log_w: Tensor | None
     valid: Tensor | None
-    shape: torch.Size
+    layout: Layout
     # log pi per row and token, 0 at masked positions, with the caller's graph; None at the
     # sequence level (scores are per token: surrogates take the token-level LogRatios)
     logp: Tensor | None
@@ -75,12 +78,15 @@ def prepare_log_ratios(
     checks: ValueChecks,
     density: bool = False,
     names: ArgumentNames = KLEST_NAMES,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
 ) -> LogRatios:
     """Check log-probs and mask (value checks queued on ``checks``); per-row log-ratios.
 
     ``density``: the inputs are log-densities of continuous samples (they may exceed 0);
     ``names``: the caller's names of the arguments, and whether it takes ``density=True`` (the
-    message for values above 0 suggests it only then).
+    message for values above 0 suggests it only then); ``cu_seqlens`` (and ``max_seqlen``):
+    the inputs are packed sequences (:mod:`klest.layout`).
     """
     name, name_ref, name_behavior = names.logp, names.logp_ref, names.logp_behavior
     density_hint = names.density_option
@@ -89,17 +95,21 @@ def prepare_log_ratios(
     if logp_behavior is not None:
         check_float_tensor(name_behavior, logp_behavior)
     check_same_shape(**{name: logp, name_ref: logp_ref, name_behavior: logp_behavior})
+    check_not_gathered(name, logp)
+    layout = layout_of(logp.shape, logp.device, cu_seqlens, max_seqlen, checks, name=name)
     keep = None
     if mask is not None:
         keep = check_mask(
             mask, logp.shape, logp.device, checks, of="the log-probs", name=names.mask
         )
     dtype = compute_dtype(logp, logp_ref, logp_behavior)
-    valid = None if keep is None else as_rows(keep)
+    valid = None
+    if keep is not None or isinstance(layout, PackedLayout):
+        valid = layout.rows(torch.ones_like(logp, dtype=torch.bool) if keep is None else keep)
 
     def rows(x: Tensor) -> Tensor:
         """``[rows, T]`` in the compute dtype, 0 under the mask (which may hold anything)."""
-        x = as_rows(x).to(dtype)
+        x = layout.rows(x).to(dtype)
         return x if valid is None else torch.where(valid, x, 0.0)
 
     lp, lr = rows(logp), rows(logp_ref)
@@ -112,7 +122,7 @@ def prepare_log_ratios(
     ):
         check_log_probs(
             arg,
-            x.reshape(original.shape),
+            layout.tokens(x),
             checks,
             allow_neg_inf=allow_neg_inf,
             role=role,
@@ -126,7 +136,7 @@ def prepare_log_ratios(
         lb = rows(logp_behavior)
         check_log_probs(
             name_behavior,
-            lb.reshape(logp_behavior.shape),
+            layout.tokens(lb),
             checks,
             allow_neg_inf=False,
             role=f"a sample {sampler} cannot produce",
@@ -140,21 +150,31 @@ def prepare_log_ratios(
         producible = lp > -math.inf
         delta = torch.where(producible, delta, 0.0)
         lp = torch.where(producible, lp, 0.0)
-    return LogRatios(delta, log_w, valid, logp.shape, lp)
+    return LogRatios(delta, log_w, valid, layout, lp)
 
 
 def at_sequence_level(lr: LogRatios) -> LogRatios:
     """One log-ratio (and log-weight) per row: the sums over its tokens, ``[rows, 1]`` (no
     ``logp``: scores stay per token)."""
-    if len(lr.shape) < 2:
+    if lr.layout.samples:
         return lr  # a 1-D input holds independent samples: each is its own sequence
     return LogRatios(
         lr.delta.sum(-1, keepdim=True),
         None if lr.log_w is None else lr.log_w.sum(-1, keepdim=True),
         None if lr.valid is None else lr.valid.any(-1, keepdim=True),
-        torch.Size((*lr.shape[:-1], 1)),
+        lr.layout.per_row(),
         None,
     )
+
+
+def check_not_gathered(name: str, x: Tensor) -> None:
+    """Refuse ``[..., T, 1]``: the trailing 1 of ``gather(-1, index.unsqueeze(-1))`` left in
+    place, which would read as ``B * T`` one-token sequences."""
+    if x.ndim >= 3 and x.shape[-1] == 1:
+        raise ValueError(
+            f"{name} has shape {tuple(x.shape)}: a trailing dimension of 1 (the index dimension "
+            f"of a gather?) would make every token its own sequence; pass {name}.squeeze(-1)"
+        )
 
 
 def check_level(level: object, reduction: str) -> None:
@@ -188,7 +208,7 @@ def exact_position_kls(
         check_float_tensor("position_kls", position_kls)
         check_same_shape(logp=logp, position_kls=position_kls)
         kls = position_kls if torch.is_grad_enabled() else position_kls.detach()
-        kls = as_rows(kls).to(lr.delta.dtype)
+        kls = lr.layout.rows(kls).to(lr.delta.dtype)
         bad = ~torch.isfinite(kls)
         checks.add(
             bad if lr.valid is None else bad & lr.valid,
@@ -208,8 +228,8 @@ def exact_position_kls(
                 f"{name} has shape {tuple(t.shape)}; expected logp's shape {tuple(logp.shape)} "
                 "plus a vocabulary dimension"
             )
-    keep = None if lr.valid is None else lr.valid.reshape(logp.shape)
+    keep = None if lr.valid is None else lr.layout.tokens(lr.valid)
     kls = position_kls_from_logits(
         logits, logits_ref, direction=direction, keep=keep, checks=checks
     )
-    return as_rows(kls).to(lr.delta.dtype)
+    return lr.layout.rows(kls).to(lr.delta.dtype)

@@ -101,7 +101,7 @@ from klest._types import (
     Level,
     Reduction,
 )
-from klest.aggregation import KLDiagnostics, WithDetails, as_rows
+from klest.aggregation import GlobalCounts, KLDiagnostics, WithDetails, check_counts
 from klest.sampled.baselines import (
     BaselineEMA,
     LooScaleEMA,
@@ -136,7 +136,9 @@ __all__ = [
     "GradientEstimator",
     "KLGradientWarning",
     "PenaltyDetails",
+    "PenaltyTargets",
     "kl_penalty",
+    "penalty_targets",
 ]
 
 
@@ -170,7 +172,7 @@ class SurrogateInputs:
     logp_rows: Tensor  # log pi of each valid token, with graph; 0 where masked
     direction: str
     value: Estimate
-    baseline: Baseline | BaselineEMA | LooScaleEMA | None
+    baseline: Baseline | BaselineEMA | LooScaleEMA | Tensor | None
     keys: Tensor | None
     kls: Tensor | None
     stl_delta: Tensor | None
@@ -182,7 +184,7 @@ class SurrogateInputs:
     def token_estimate(self, values: Tensor) -> Estimate:
         valid = self.lr.valid
         return Estimate(
-            values if valid is None else torch.where(valid, values, 0.0), valid, self.lr.shape
+            values if valid is None else torch.where(valid, values, 0.0), valid, self.lr.layout
         )
 
     def score_estimate(self, coef: Tensor) -> Estimate:
@@ -191,7 +193,7 @@ class SurrogateInputs:
         that zeroed it passes no gradient, and a coefficient there is finite unless one at a
         valid position is not (it repeats the targets of the valid positions after it, and
         weights and baselines of earlier ones), which the surrogate check reports."""
-        return Estimate(self.logp_rows * coef, self.lr.valid, self.lr.shape)
+        return Estimate(self.logp_rows * coef, self.lr.valid, self.lr.layout)
 
     def unweighted(self, target: Tensor, w: Tensor) -> tuple[Tensor, Tensor]:
         """``target / w`` for a baseline (off-policy), and where it counts: positions whose
@@ -207,6 +209,9 @@ class SurrogateInputs:
         first valid token (so left and right padding agree; ``valid`` None: all count)."""
         if self.baseline is None:
             return 0.0
+        if isinstance(self.baseline, Tensor):  # given: rows like the targets, 0 where invalid
+            given = self.baseline
+            return given if valid is None else torch.where(valid, given, 0.0)
         if valid is None:
             valid = torch.ones_like(targets, dtype=torch.bool)
         if not isinstance(self.baseline, BaselineEMA):
@@ -258,50 +263,80 @@ def _token(x: SurrogateInputs) -> Estimate:
     return x.score_estimate(coef)
 
 
-def _score(x: SurrogateInputs) -> Estimate:
-    """The sequence score times the whole sequence's (weighted, baselined) target."""
+class Targets(NamedTuple):
+    """What a score-function estimator multiplies each score by, before and after a baseline.
+
+    The coefficient of the scores is ``value - weight * b`` with ``b`` the baseline of
+    ``baseline_in`` at the positions ``valid`` (off-policy: ``baseline_in`` is the unweighted
+    target and ``weight`` the prefix importance weight; on-policy both are the target and 1).
+    """
+
+    value: Tensor
+    baseline_in: Tensor
+    valid: Tensor | None
+    weight: Tensor | float
+
+
+def score_targets(x: SurrogateInputs) -> Targets:
+    """``score``: the whole sequence's target ``[rows, 1]``: its summed log-ratio (KL(pi||ref))
+    or its ratio R (KL(ref||pi)), weighted by the sequence's importance weight."""
     seq_delta = x.lr.delta.detach().sum(-1, keepdim=True)
     target = seq_delta if x.direction == "pi||ref" else torch.exp(-seq_delta)
     w = prefix_weights(x.lr.log_w, inclusive=True)
     w_seq = w if x.on_policy else w[:, -1:]
     rows_valid = None if x.lr.valid is None else x.lr.valid.any(-1, keepdim=True)
-    coef = w_seq * (target - x.baseline_for(target, rows_valid))
+    return Targets(w_seq * target, target, rows_valid, w_seq)
+
+
+def cumulative_targets(x: SurrogateInputs) -> Targets:
+    """``cumulative``: each token's target ``[rows, T]``: the (weighted) log-ratios from it on
+    (KL(pi||ref)) or the prefix ratio (KL(ref||pi))."""
+    d = x.lr.delta.detach()
+    if x.on_policy:
+        target = sum_from_here(d) if x.direction == "pi||ref" else torch.exp(-d.cumsum(-1))
+        return Targets(target, target, x.lr.valid, 1.0)
+    w = prefix_weights(x.lr.log_w, inclusive=True)
+    if x.direction == "pi||ref":
+        target = sum_from_here(w * d)
+        return Targets(target, *x.unweighted(target, w), w)
+    unweighted = torch.exp(-d.cumsum(-1))
+    return Targets(w * unweighted, unweighted, x.lr.valid, w)
+
+
+def rb_targets(x: SurrogateInputs) -> Targets:
+    """``rb`` (KL(pi||ref)): each token's target ``[rows, T]``: the exact KLs after it."""
+    assert x.kls is not None
+    future = sum_after(rb_weights(x.lr, x.direction) * x.kls.detach())
+    if x.on_policy:
+        return Targets(future, future, x.lr.valid, 1.0)
+    w_incl = prefix_weights(x.lr.log_w, inclusive=True)
+    return Targets(future, *x.unweighted(future, w_incl), w_incl)
+
+
+def _baselined(x: SurrogateInputs, t: Targets) -> Tensor:
+    """The scores' coefficient: the target less its (weighted) baseline. A baseline ``b_t``
+    enters as ``W_{<=t} b_t``: zero mean, since ``E_behavior[W_{<=t} s_t] = 0``."""
+    return t.value - t.weight * x.baseline_for(t.baseline_in, t.valid)
+
+
+def _score(x: SurrogateInputs) -> Estimate:
+    """The sequence score times the whole sequence's (weighted, baselined) target."""
+    coef = _baselined(x, score_targets(x))
     return x.score_estimate(coef if x.direction == "pi||ref" else -coef)
 
 
 def _cumulative(x: SurrogateInputs) -> Estimate:
     """Each token's score times what it influences: the log-ratios from it on (prefix ratio)."""
-    d = x.lr.delta.detach()
-    if x.on_policy:
-        # KL(pi||ref): the log-ratios to go; KL(ref||pi): the prefix ratio R_{<=t}.
-        target = sum_from_here(d) if x.direction == "pi||ref" else torch.exp(-d.cumsum(-1))
-        coef = target.sub_(x.baseline_for(target, x.lr.valid))  # target is ours: in place
-    else:
-        w = prefix_weights(x.lr.log_w, inclusive=True)
-        if x.direction == "pi||ref":
-            target = sum_from_here(w * d)
-            unweighted, counted = x.unweighted(target, w)
-        else:
-            unweighted, counted = torch.exp(-d.cumsum(-1)), x.lr.valid
-            target = w * unweighted
-        # A baseline b_t enters as W_{<=t} b_t: zero mean since E_behavior[W_{<=t} s_t] = 0.
-        coef = target - w * x.baseline_for(unweighted, counted)
+    coef = _baselined(x, cumulative_targets(x))
     return x.score_estimate(coef if x.direction == "pi||ref" else -coef)
 
 
 def _rb(x: SurrogateInputs) -> Estimate:
     """Pathwise through the exact per-position KLs, plus (KL(pi||ref)) the scores of the future."""
     assert x.kls is not None
-    weights = rb_weights(x.lr, x.direction)
-    surrogate = weights * x.kls
+    surrogate = rb_weights(x.lr, x.direction) * x.kls
     if x.direction == "pi||ref":
-        future = sum_after(weights * x.kls.detach())
-        if x.on_policy:
-            coef = future - x.baseline_for(future, x.lr.valid)
-        else:
-            w_incl = prefix_weights(x.lr.log_w, inclusive=True)
-            coef = future - w_incl * x.baseline_for(*x.unweighted(future, w_incl))
-        surrogate = surrogate + x.logp_rows * coef
+        surrogate = surrogate + x.logp_rows * _baselined(x, rb_targets(x))
     return x.token_estimate(surrogate)
 
 
@@ -391,6 +426,71 @@ EXACT_KL_GRADS: tuple[str, ...] = ("cumulative", "token")
 """The gradient estimators that take an exact-KL baseline, for KL(pi||ref) only."""
 
 
+GROUP_BASELINES: tuple[str, ...] = ("loo", "mean", "loo-fitted", "exact-kl+loo")
+"""The named baselines computed within the groups of ``group=``."""
+
+LOO_BASELINES: tuple[str, ...] = ("loo", "loo-fitted", "exact-kl+loo")
+"""The named baselines that leave each sample out: 0 for a sample alone in its group."""
+
+
+def check_group_is_used(group: object, baseline: object, estimator: str, alpha: object) -> None:
+    """Warn when ``group=`` is given but nothing uses it (no group baseline, no fitted alpha):
+    the ids would be ignored, and a reader of the call would believe leave-one-out is on.
+
+    A warning, not an error: trainers and drop-ins forward their prompt ids with every call,
+    also with a moving-average baseline that pools every group; the warning names the fix.
+    """
+    if group is None:
+        return
+    uses = (
+        (isinstance(baseline, str) and baseline in GROUP_BASELINES)
+        or isinstance(baseline, LooScaleEMA)
+        or (estimator == "cv" and isinstance(alpha, str))
+    )
+    if not uses:
+        warn_at_caller(
+            f"group= is used only by the group baselines ({', '.join(map(repr, GROUP_BASELINES))}"
+            ", LooScaleEMA) and by a fitted alpha ('loo', 'crossfit', 'in-sample'); with "
+            f"baseline={_baseline_name(baseline)} the group ids are ignored. Pass baseline='loo' "
+            "for a leave-one-out baseline within each group, or leave group out",
+            UserWarning,
+        )
+
+
+def _baseline_name(baseline: object) -> str:
+    return (
+        type(baseline).__name__
+        if isinstance(baseline, torch.nn.Module | Tensor)
+        else repr(baseline)
+    )
+
+
+def _one_row(_: Tensor) -> str:
+    return (
+        "a leave-one-out baseline over a batch of one sequence has no other sample to take its "
+        "baseline from: it is 0 and changes nothing (with gradient accumulation of one sample "
+        "per micro-batch, compute the baselines where the whole group is visible and pass them "
+        "as baseline=<tensor>: klest.group_baselines). This warning is given once per process."
+    )
+
+
+def given_baseline(baseline: Tensor, lr: LogRatios, *, per_sequence: bool) -> Tensor:
+    """A baseline computed elsewhere, as rows like the targets it is subtracted from: one per
+    token (the log-probs' layout) or, for ``grad="score"``, one per sequence. Detached."""
+    check_float_tensor("baseline", baseline)
+    expected = lr.layout.sequences_shape if per_sequence else lr.layout.shape
+    if baseline.shape != expected:
+        what = "one per sequence" if per_sequence else "one per token, the log-probs' shape"
+        raise ValueError(
+            f"baseline has shape {tuple(baseline.shape)}; a precomputed baseline holds {what}: "
+            f"{tuple(expected)} (klest.group_baselines of klest.penalty_targets gives it)"
+        )
+    if baseline.device != lr.delta.device:
+        raise ValueError(f"baseline is on {baseline.device} but logp is on {lr.delta.device}")
+    b = baseline.detach().to(lr.delta.dtype)
+    return b.reshape(-1, 1) if per_sequence else lr.layout.rows(b)
+
+
 def _check_exact_kl_baseline(grad: str, direction: str, baseline: str) -> None:
     if direction != "pi||ref":
         raise ValueError(
@@ -455,7 +555,7 @@ def _check_rules(
         raise ValueError("grad='stl' needs logp_stl: log pi(x) with pi's parameters stopped")
     if baseline is None:
         return
-    if not isinstance(baseline, BaselineEMA | LooScaleEMA):
+    if not isinstance(baseline, BaselineEMA | LooScaleEMA | Tensor):
         check_choice("baseline", baseline, Baseline)
         if baseline in EXACT_KL_BASELINES:
             _check_exact_kl_baseline(est.name, direction, baseline)
@@ -480,7 +580,7 @@ def _surrogate_explanation(
     lp, ref, behavior = names.logp, names.logp_ref, names.logp_behavior
 
     def explain() -> str:
-        keep = lr.valid_or_all().reshape(logp.shape) & (logp > -torch.inf)
+        keep = lr.layout.tokens(lr.valid_or_all()) & (logp > -torch.inf)
         zero_ref = keep & (logp_ref == -torch.inf)
         if bool(zero_ref.any()):
             first = tuple(zero_ref.nonzero()[0].tolist())
@@ -514,7 +614,7 @@ def kl_penalty(
     direction: Direction = "pi||ref",
     mask: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
-    baseline: Baseline | BaselineEMA | LooScaleEMA | None = None,
+    baseline: Baseline | BaselineEMA | LooScaleEMA | Tensor | None = None,
     group: Tensor | None = None,
     reparameterized: bool = False,
     level: Level = "token",
@@ -524,6 +624,9 @@ def kl_penalty(
     logits_ref: Tensor | None = None,
     position_kls: Tensor | None = None,
     logp_stl: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
     density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
@@ -572,9 +675,16 @@ def kl_penalty(
         approximation (top-k's ``"tail-bucket"``, say; not a sampled estimate such as top-k's
         ``"unbiased"``, which depends on the token itself). With ``grad="rb"``, sampled
         per-position estimates with their graph (top-k's ``"unbiased"`` / ``"unbiased-cv"``,
-        ``reduction="none"``) give an unbiased gradient of the sequence KL.
-      group: integer ids ``logp.shape[:-1]``: samples of the same prompt (baselines and fitted
-        alphas are computed within a group; a group of one gets leave-one-out baseline 0).
+        ``reduction="none"``) give an unbiased gradient of the sequence KL. A tensor is a
+        baseline computed elsewhere (where a prompt's whole group is visible, when the trainer
+        splits it over ranks or micro-batches: :func:`klest.group_baselines` of
+        :func:`klest.penalty_targets`), one per token (``logp``'s shape; one per sequence for
+        ``grad="score"``). It must not depend on the sample it is subtracted from (a
+        leave-one-out mean over the *other* samples, say), or the gradient is biased.
+      group: integer ids, one per sequence (``logp.shape[:-1]``; ``[S]`` packed): samples of
+        the same prompt (baselines and fitted alphas are computed within a group; a group of
+        one gets leave-one-out baseline 0). Where nothing uses it (no group baseline, no fitted
+        alpha) a ``UserWarning`` says so: leave-one-out is never believed on when it is off.
       reparameterized: the samples are x = g(theta, eps) and ``logp`` / ``logp_ref`` carry the
         graph through x (VAEs, VI): required by ``pathwise`` / ``adaptive`` / ``stl``, refused
         by the score-function estimators.
@@ -595,6 +705,17 @@ def kl_penalty(
         tensor). With ``grad="rb"`` they are backpropagated through as given.
       logp_stl: for ``grad="stl"``: log pi of the samples with pi's distribution parameters
         stopped (x itself still differentiable).
+      cu_seqlens: packed sequences (:mod:`klest.layout`): the offsets ``[S + 1]`` of the S
+        sequences whose tokens ``logp`` (``[total]`` or ``[1, total]``) holds one after
+        another; every per-token input, the mask and ``reduction="none"``'s output share that
+        layout, ``group`` and ``"per-sequence"`` are ``[S]``. The same loss and gradient as the
+        padded batch of the same sequences.
+      max_seqlen: with ``cu_seqlens``, the longest sequence's length if known (flash-attention
+        varlen calls carry it): saves reading ``cu_seqlens`` on the host.
+      counts: the step's global token and sequence counts (:class:`~klest.GlobalCounts`,
+        :func:`klest.distributed.global_counts`), for a loss computed in pieces over
+        data-parallel ranks or micro-batches: the mean reductions divide by them, so the
+        pieces' gradients add up to the whole batch's.
       density: the inputs are log-densities of continuous samples, which may exceed 0 (implied
         by ``reparameterized=True``); for tokens a log-prob above 0 is an error.
       validate: run the value checks once for the whole call (None: the global default).
@@ -646,8 +767,20 @@ def kl_penalty(
         checks=checks,
         density=density or reparameterized,
         names=names,
+        cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen,
     )
-    keys = None if group is None else group_keys(check_group(group, logp.shape, logp.device))
+    check_counts(counts, reduction)
+    check_group_is_used(group, baseline, estimator, alpha)
+    keys = None
+    if group is not None:
+        keys = group_keys(
+            check_group(group, lr.layout.sequences_shape, logp.device, of_shape=logp.shape)
+        )
+    if isinstance(baseline, Tensor):
+        baseline = given_baseline(baseline, lr, per_sequence=grad == "score")
+    elif baseline in LOO_BASELINES and lr.delta.shape[0] == 1 and not lr.layout.samples:
+        checks.warn_once("loo-one-row", torch.ones((), dtype=torch.bool), _one_row)
     kls = None
     exact_baseline = isinstance(baseline, str) and baseline in EXACT_KL_BASELINES
     if "rb" in (estimator, grad) or exact_baseline:
@@ -670,7 +803,8 @@ def kl_penalty(
         assert logp_stl is not None
         check_float_tensor("logp_stl", logp_stl)
         check_same_shape(logp=logp, logp_stl=logp_stl)
-        stl = as_rows(logp_stl).to(lr.delta.dtype) - as_rows(logp_ref).to(lr.delta.dtype)
+        rows = lr.layout.rows
+        stl = rows(logp_stl).to(lr.delta.dtype) - rows(logp_ref).to(lr.delta.dtype)
         stl_delta = stl if lr.valid is None else torch.where(lr.valid, stl, 0.0)
     _warn_about_gradient(
         est,
@@ -697,8 +831,8 @@ def kl_penalty(
             checks=checks,
         )
     inputs = SurrogateInputs(lr, lr.logp, direction, value, baseline, keys, kls, stl_delta)
-    value_out = value.reduce(reduction)
-    surrogate_out = est.surrogate(inputs).reduce(reduction)
+    value_out = value.reduce(reduction, counts)
+    surrogate_out = est.surrogate(inputs).reduce(reduction, counts)
     check_finite_surrogate(
         surrogate_out, checks, _surrogate_explanation(logp, logp_ref, lr, direction, names)
     )
@@ -750,3 +884,120 @@ def _warn_about_gradient(
             f"grad={est.name!r}: {logp_name} does not require grad, so no gradient will reach the "
             "policy (was it computed under torch.no_grad(), or detached?)"
         )
+
+
+class PenaltyTargets(NamedTuple):
+    """What :func:`penalty_targets` returns: the targets and where they count.
+
+    Attributes:
+      targets: detached, one per token (``logp``'s shape), or one per sequence for
+        ``grad="score"``; 0 where they do not count.
+      mask: bool, the same shape: where a target counts (and takes a baseline).
+    """
+
+    targets: Tensor
+    mask: Tensor
+
+
+_TARGETS: dict[str, Callable[[SurrogateInputs], Targets]] = {
+    "score": score_targets,
+    "cumulative": cumulative_targets,
+    "rb": rb_targets,
+}
+
+
+def penalty_targets(
+    logp: Tensor,
+    logp_ref: Tensor,
+    *,
+    grad: Grad = "cumulative",
+    direction: Direction = "pi||ref",
+    mask: Tensor | None = None,
+    logp_behavior: Tensor | None = None,
+    logits: Tensor | None = None,
+    logits_ref: Tensor | None = None,
+    position_kls: Tensor | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    validate: bool | None = None,
+) -> PenaltyTargets:
+    r"""The targets that :func:`kl_penalty`'s baselines are computed from, for a batch.
+
+    The score-function estimators multiply each score by a target less a baseline; a group
+    baseline averages the targets of the *other* samples of a prompt. When a trainer splits a
+    prompt's samples over ranks or micro-batches, compute the targets and their baselines where
+    the whole group is visible (where the engine computes advantages) and pass each piece's
+    baselines to its loss::
+
+        t = klest.penalty_targets(logp_old, logp_ref, mask=mask)          # whole batch
+        b = klest.group_baselines(t.targets, mask=t.mask, group=prompt_ids)
+        loss = klest.kl_penalty(logp[rows], logp_ref[rows], mask=mask[rows], baseline=b[rows])
+
+    With ``logp`` from the policy that sampled (on-policy: the same log-probs) the loss and
+    gradient equal ``kl_penalty(..., baseline="loo", group=prompt_ids)`` on the whole batch.
+
+    .. math::
+        A_t = \sum_{u \ge t} \rho_u \ (\texttt{cumulative}), \quad
+        A = \sum_u \rho_u \ (\texttt{score}), \quad
+        A_t = \sum_{n > t} KL_n \ (\texttt{rb}) \qquad \text{(KL(pi||ref); KL(ref||pi):}
+        \ R_{\le t},\ R)
+
+    Off-policy (``logp_behavior``) they are the unweighted targets. Samples: as for
+    :func:`kl_penalty`.
+
+    Args:
+      logp, logp_ref, direction, mask, logp_behavior, logits, logits_ref, position_kls,
+        cu_seqlens, max_seqlen, validate: as for :func:`kl_penalty`.
+      grad: ``"cumulative"``, ``"score"`` or ``"rb"``: the estimators that take a baseline.
+
+    Returns:
+      A :class:`PenaltyTargets` ``(targets, mask)``, detached.
+
+    Example:
+      >>> logp = torch.tensor([[-1.0, -0.5], [-0.3, -0.9]])
+      >>> t = penalty_targets(logp, torch.tensor([[-1.2, -0.4], [-0.5, -0.7]]))
+      >>> t.targets  # the log-ratios from each token on
+      tensor([[ 0.1000, -0.1000],
+              [ 0.0000, -0.2000]])
+    """
+    check_direction(direction)
+    check_choice("grad", grad, Grad)
+    if grad not in _TARGETS:
+        raise ValueError(
+            f"grad={grad!r} takes no baseline; targets exist for {', '.join(map(repr, _TARGETS))}"
+        )
+    est = GRADIENT_ESTIMATORS[grad]
+    if direction not in est.baseline_directions:
+        raise ValueError(f"grad={grad!r} takes no baseline for direction={direction!r}")
+    checks = ValueChecks(resolve_validate(validate))
+    with torch.no_grad():
+        lr = prepare_log_ratios(
+            logp,
+            logp_ref,
+            logp_behavior=logp_behavior,
+            mask=mask,
+            checks=checks,
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
+        )
+        kls = None
+        if grad == "rb":
+            kls = exact_position_kls(
+                logits,
+                logits_ref,
+                logp,
+                lr,
+                position_kls=position_kls,
+                direction=direction,
+                checks=checks,
+                why="grad='rb'",
+            )
+        checks.run()
+        x = SurrogateInputs(lr, lr.logp, direction, None, None, None, kls, None)  # type: ignore[arg-type]
+        t = _TARGETS[grad](x)
+        valid = t.valid if t.valid is not None else torch.ones_like(t.baseline_in, dtype=torch.bool)
+        targets = torch.where(valid, t.baseline_in, 0.0)
+    if grad == "score":
+        shape = lr.layout.sequences_shape
+        return PenaltyTargets(targets.reshape(shape), valid.reshape(shape))
+    return PenaltyTargets(lr.layout.tokens(targets), lr.layout.tokens(valid))

@@ -71,7 +71,6 @@ from klest._checks import (
     warn_at_caller,
 )
 from klest._types import Direction, Estimator
-from klest.aggregation import as_rows
 from klest.sampled.log_ratios import prepare_log_ratios
 from klest.sampled.penalty import KLGradientWarning
 from klest.sampled.sequence import sum_from_here
@@ -126,6 +125,8 @@ def kl_reward(
     direction: Direction = "pi||ref",
     discount: float = 1.0,
     reward_to_go: bool = False,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
     validate: bool | None = None,
 ) -> Tensor:
     r"""Per-token KL values to subtract from a reward (``rewards - beta * kl_reward(...)``),
@@ -160,6 +161,10 @@ def kl_reward(
         ``reward_to_go=True``.
       reward_to_go: return :math:`G_t = \sum_{u\ge t}\gamma^{u-t} v_u` (the return from token t
         on) instead of :math:`v_t`; needs sequences ``[..., T]``.
+      cu_seqlens: packed sequences: offsets ``[S + 1]`` of the sequences whose tokens
+        ``logp`` (``[total]`` or ``[1, total]``) holds one after another (:mod:`klest.layout`);
+        the reward-to-go stops at each sequence's end.
+      max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known (no host read).
       validate: run the value checks of :func:`klest.kl_estimate` (None: the global default).
 
     Returns:
@@ -212,7 +217,7 @@ def kl_reward(
             f"discount={discount} applies to the reward-to-go: pass reward_to_go=True (or "
             "leave discounting to the trainer's returns)"
         )
-    if reward_to_go and check_tensor("logp", logp).ndim < 2:
+    if reward_to_go and cu_seqlens is None and check_tensor("logp", logp).ndim < 2:
         raise ValueError(
             f"reward_to_go needs sequences [..., T]; logp has shape {tuple(logp.shape)} "
             "(1-D input holds independent one-token samples). For one sequence pass logp[None]"
@@ -241,13 +246,13 @@ def kl_reward(
             mask=mask,
             checks=checks,
             names=ArgumentNames(density_option=False),  # a reward is on tokens
+            cu_seqlens=cu_seqlens,
+            max_seqlen=max_seqlen,
         )
         checks.run()
-        values = per_token_values(ratios.delta, estimator, direction).reshape(logp.shape)
-        if not reward_to_go:
-            return values
-        rows = as_rows(values)
-        out = sum_from_here(rows) if gamma == 1.0 else _discounted_sum_from_here(rows, gamma)
-        if mask is not None:
-            out = torch.where(as_rows(mask) != 0, out, 0.0)
-        return out.reshape(values.shape)
+        rows = per_token_values(ratios.delta, estimator, direction)
+        if reward_to_go:
+            rows = sum_from_here(rows) if gamma == 1.0 else _discounted_sum_from_here(rows, gamma)
+            if ratios.valid is not None:
+                rows = torch.where(ratios.valid, rows, 0.0)
+        return ratios.layout.tokens(rows)

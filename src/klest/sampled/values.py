@@ -15,7 +15,8 @@ import torch
 from torch import Tensor
 
 from klest._checks import ValueChecks
-from klest.aggregation import KLDiagnostics, diagnostics, reduce_rows
+from klest.aggregation import GlobalCounts, KLDiagnostics, diagnostics, reduce_rows
+from klest.layout import Layout
 from klest.sampled.control_variates import Alpha, resolve_alpha
 from klest.sampled.log_ratios import LogRatios, at_sequence_level
 from klest.sampled.sequence import prefix_weights
@@ -40,18 +41,18 @@ class Estimate:
     """Per-row values of one estimator at one level, ready for reduction.
 
     ``values`` ``[rows, T]`` (``[rows, 1]`` at the sequence level) are 0 where ``valid`` is
-    False (``valid`` None: every position counts); ``shape`` is the layout
+    False (``valid`` None: every position counts); ``layout`` is the caller's, which
     :func:`~klest.aggregation.reduce_rows` restores; ``coef`` is the control-variate coefficient
     used (``cv`` only).
     """
 
     values: Tensor
     valid: Tensor | None
-    shape: torch.Size
+    layout: Layout
     coef: Tensor | None = None
 
-    def reduce(self, reduction: str) -> Tensor:
-        return reduce_rows(self.values, self.valid, reduction, self.shape)
+    def reduce(self, reduction: str, counts: GlobalCounts | None = None) -> Tensor:
+        return reduce_rows(self.values, self.valid, reduction, self.layout, counts)
 
     def diagnostics(self, reduction: str) -> KLDiagnostics:
         return diagnostics(self.values, self.valid, reduction=reduction, alpha=self.coef)
@@ -72,10 +73,10 @@ def estimate_rows(
     ``[rows, T]`` for ``"rb"``)."""
     if estimator == "rb":
         assert kls is not None  # 0 at masked positions
-        est = Estimate(rb_weights(lr, direction) * kls, lr.valid, lr.shape)
-        if level == "sequence" and len(lr.shape) >= 2:
+        est = Estimate(rb_weights(lr, direction) * kls, lr.valid, lr.layout)
+        if level == "sequence" and not lr.layout.samples:
             seq = at_sequence_level(lr)
-            est = Estimate(est.values.sum(-1, keepdim=True), seq.valid, seq.shape)
+            est = Estimate(est.values.sum(-1, keepdim=True), seq.valid, seq.layout)
         return est
     lr = at_sequence_level(lr) if level == "sequence" else lr
     coef = resolve_alpha(alpha, lr, direction, keys, checks) if estimator == "cv" else None
@@ -87,4 +88,4 @@ def estimate_rows(
     # delta is 0 at masked positions, where k1, k2, k3 and abs are exactly 0 already.
     if lr.valid is not None and (estimator == "cv" or lr.log_w is not None):
         values = torch.where(lr.valid, values, 0.0)
-    return Estimate(values, lr.valid, lr.shape, coef)
+    return Estimate(values, lr.valid, lr.layout, coef)
