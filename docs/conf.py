@@ -61,8 +61,8 @@ html_theme_options = {
 # -- Module-level constants re-exported by a package ---------------------------------------------
 # ``klest.Direction`` (a Literal alias) and ``klest.GRADIENT_ESTIMATORS`` (a dict) are documented
 # by the string literal under their assignment in the module that defines them (``klest._types``,
-# ``klest.sampled.penalty``). Autodoc looks for that string in the package that re-exports them, finds
-# none, and falls back to the object's class docstring (dict's); this hook puts the real one back.
+# ``klest.sampled.penalty``). Autodoc looks for that string in the package that re-exports them,
+# finds none, and falls back to the object's class docstring (dict's); this hook puts it back.
 
 
 def _reexported_from(package: str) -> dict[str, str]:

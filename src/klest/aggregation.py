@@ -60,9 +60,9 @@ class GlobalCounts(NamedTuple):
     A mean reduction divides a piece's local sum by the count over *every* piece of the step
     instead of its own, so the pieces' losses add up to the loss of the whole batch:
 
-    .. math:: 	ext{token-mean} = rac{scale}{N_{tokens}} \sum_{	ext{local tokens}} v,
-              \qquad 	ext{seq-mean-*} = rac{scale}{N_{sequences}}
-              \sum_{	ext{local sequences}} v_s
+    .. math:: \text{token-mean} = \frac{scale}{N_{tokens}} \sum_{\text{local tokens}} v,
+              \qquad \text{seq-mean} = \frac{scale}{N_{sequences}}
+              \sum_{\text{local sequences}} v_s
 
     and ``"sum"`` is multiplied by ``scale``. ``scale`` undoes the engine's averaging of
     gradients over ranks (its number of ranks when it averages, as DDP and FSDP do by default;

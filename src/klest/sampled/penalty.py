@@ -946,9 +946,18 @@ def penalty_targets(
     :func:`kl_penalty`.
 
     Args:
-      logp, logp_ref, direction, mask, logp_behavior, logits, logits_ref, position_kls,
-        cu_seqlens, max_seqlen, validate: as for :func:`kl_penalty`.
+      logp: log pi of the sampled tokens, as for :func:`kl_penalty` (detached here).
+      logp_ref: log ref of the same tokens.
       grad: ``"cumulative"``, ``"score"`` or ``"rb"``: the estimators that take a baseline.
+      direction: ``"pi||ref"`` or ``"ref||pi"``.
+      mask: the tokens that count.
+      logp_behavior: log behavior of the tokens, off-policy.
+      logits: pi's logits along the samples, for ``grad="rb"``.
+      logits_ref: ref's, for ``grad="rb"``.
+      position_kls: instead of the logits, the exact per-position KLs.
+      cu_seqlens: packed sequences (:mod:`klest.layout`).
+      max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known.
+      validate: run the value checks (None: the global default).
 
     Returns:
       A :class:`PenaltyTargets` ``(targets, mask)``, detached.
