@@ -146,3 +146,14 @@ def test_the_checks_flag_what_they_claim():
         "klest.nn: klest.logits._rows.chunks",
         "klest.nn: klest.sampled.terms._x",
     ]
+
+
+def test_tests_mirror_the_package():
+    """Each test folder is named for a wing of the package, and each wing with modules of its
+    own has one: the test of a module is found without searching."""
+    tests = Path(__file__).parent
+    folders = {p.name for p in tests.iterdir() if p.is_dir() and not p.name.startswith("_")}
+    folders.discard("__pycache__")
+    wings = {p.name for p in SRC.iterdir() if (p / "__init__.py").exists()}
+    assert folders <= wings, f"test folders without a wing: {folders - wings}"
+    assert wings <= folders, f"wings without tests: {wings - folders}"

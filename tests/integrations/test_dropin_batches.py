@@ -47,7 +47,7 @@ log-ratio ``d`` at unit roundoff ``u`` is off by at most a few ``u (1 + |d|) (1 
 (``x = -d`` clipped, k3's exponential; ``e^x`` capped at 20, past which both sides clip k3 to
 10 exactly), and OpenRLHF's straight-through ``v + s - s`` with ``s = w d^2 / 2`` adds
 ``u 10 d^2``; ``8 u`` times that is the tolerance. Sums of up to 64 terms (aggregation,
-surrogates) follow the sibling ``tests/test_trainer_batches.py``: ``1e3 u (1 + max|want|)``.
+surrogates) follow the sibling ``tests/sampled/test_trainer_batches.py``: ``1e3 u (1 + max|want|)``.
 
 Examples: ``EXAMPLES`` (600) per drawn property (each drop-in's three edge batches, every
 ``grad``, as explicit examples besides), 200 for verl's ``"full"``, 150 for each
@@ -79,7 +79,7 @@ from tests.integrations._peer_reference import (
 )
 from tests.integrations.test_openrlhf import openrlhf_formula
 from tests.integrations.test_verl import _real_ppo_loss_and_gradient
-from tests.test_trainer_batches import Batch
+from tests.sampled.test_trainer_batches import Batch
 
 EXAMPLES = 600
 MAX_ROWS = 8
@@ -106,7 +106,7 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 PeerBatch = Batch
-"""A trainer batch (``tests/test_trainer_batches.py``'s, ``[B, T]`` here): float64 logits of
+"""A trainer batch (``tests/sampled/test_trainer_batches.py``'s, ``[B, T]`` here): float64 logits of
 pi, ref and the behavior policy, the sampled tokens, row lengths, group ids, the garbage each
 masked position holds, the dtype."""
 

@@ -20,8 +20,8 @@ whose reward part is the same in both arms. The arms differ only in the KL term:
   and as the gradient the sequence score times :math:`\delta_i` minus the leave-one-out mean of
   the other :math:`\delta_j`. This is *exactly* the common "KL in the reward" form (TRL's RLOO,
   which the paper trains with): RLOO on the reward :math:`r_i - \beta\delta_i`, since the
-  leave-one-out advantage is linear in the reward (``tests/test_kl_regularized_po.py`` checks
-  the two gradients agree). It is the paper's MC estimator; klest's ``grad="cumulative"`` (each
+  leave-one-out advantage is linear in the reward (the tests check that the two gradients
+  agree). It is the paper's MC estimator; klest's ``grad="cumulative"`` (each
   token's score times the log-ratios from it on) would be a better MC baseline, left out to keep
   the paper's comparison and the run time.
 - ``rb``: ``kl_penalty(estimator="rb", grad="rb", baseline="loo", group=...)`` with both models'

@@ -3,7 +3,7 @@ cookbook (:data:`klest.integrations.migration.OPTIONS`, each written as one kles
 what its value estimates and what its gradient descends, measured against exact answers.
 
 Each option's call equals the framework's KL term, in value and in gradient, on the same batch
-(``tests/test_migration.py`` checks each against the framework's formula written out by hand).
+(the tests check each against the framework's formula written out by hand).
 The experiment measures, on a tabular autoregressive policy with exact
 answers (:class:`~klest.testbeds.TabularAutoregressive`, V = 3 tokens, T <= 4 with an
 end-of-sequence token, so token-local and sequence-level gradients differ):

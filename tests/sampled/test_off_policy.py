@@ -1,6 +1,6 @@
 """Off-policy samples at the edges: behavior samples pi cannot produce, and prefix weights that
 underflow. Every estimator gives finite values and gradients there, and the audit-style means
-stay those of the exact answers (tests/test_penalty.py)."""
+stay those of the exact answers (tests/sampled/test_penalty.py)."""
 
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ from klest.sampled.rewards import kl_reward
 from klest.testbeds import LanguageModelTestbed
 from klest.testbeds.base import Sample
 from tests._stats import RATE, z_for
-from tests.test_experiments import run_quick
+from tests.experiments.test_experiments import run_quick
 
 
 def _random_rollout(seed: int) -> tuple[Rollout, Tensor]:

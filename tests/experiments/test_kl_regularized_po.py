@@ -42,7 +42,7 @@ from klest.experiments.small_lms import (
 )
 from tests._stats import RATE, t_for, z_for
 from tests._tolerance import assert_close_to_rounding
-from tests.test_experiments import run_quick
+from tests.experiments.test_experiments import run_quick
 
 TINY = Architecture(n_embd=16, n_layer=1, n_head=2)
 

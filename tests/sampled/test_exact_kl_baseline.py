@@ -24,7 +24,7 @@ from klest.testbeds import make_generator
 from tests._reference import exact_token_level_gradient, left_padded
 from tests._stats import RATE, Z, z_for
 from tests._testbeds import make
-from tests.test_penalty import _squared_deviations, variance_ratio
+from tests.sampled.test_penalty import _squared_deviations, variance_ratio
 
 Z_ONE_SIDED = z_for(RATE, 1, two_sided=False)
 

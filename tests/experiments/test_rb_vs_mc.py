@@ -27,7 +27,7 @@ from klest.experiments.small_lms import (
 )
 from tests._stats import RATE, assert_failures_consistent, binomial_tail, t_for
 from tests._tolerance import assert_close_to_rounding, logit_scale
-from tests.test_experiments import run_quick
+from tests.experiments.test_experiments import run_quick
 
 TINY = Architecture(n_embd=16, n_layer=1, n_head=2)
 SEVERAL_NATS = 2.0

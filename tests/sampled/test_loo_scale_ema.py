@@ -22,10 +22,9 @@ import torch
 from klest import LooScaleEMA, kl_penalty
 from klest.audit import GradSpec, mean_shift_z
 from klest.testbeds import TabularAutoregressive
-
-from ._reference import left_padded
-from ._stats import RATE, z_for
-from .test_adaptive import _draws
+from tests._reference import left_padded
+from tests._stats import RATE, z_for
+from tests.sampled.test_baselines import _draws
 
 
 def scale_ema_reference(batches, keys, decay, per_position=True):

@@ -25,7 +25,7 @@ from klest.experiments.migration import batch_of
 from klest.integrations.migration import OPTIONS, Batch, KLCall
 from tests._stats import RATE, z_for
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 B, T, V = 6, 5, 7
 GROUP = torch.tensor([0, 0, 0, 1, 1, 1])
 LENGTHS = torch.tensor([5, 3, 4, 5, 2, 4])
