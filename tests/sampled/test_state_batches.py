@@ -1,7 +1,7 @@
 """Property tests: klest's moving-average states over drawn sequences of trainer batches, and the
 public functions the other batch tests leave out.
 
-Batches come from ``tests/sampled/test_trainer_batches.py`` (:func:`trainer_batches`: 1 to 12 rows, an
+Batches come from ``test_trainer_batches.py`` (:func:`trainer_batches`: 1 to 12 rows, an
 optional ``[B, G, T]`` layout, empty rows, groups of one, arbitrary group ids, fp32 / bf16 /
 fp16 / fp64, NaN / inf / 5.0 under the mask), drawn in sequences of 1 to 5 of varying shape,
 some of them all-empty, each left- or right-padded (derandomized: ``tests/conftest.py``).
@@ -34,7 +34,7 @@ for bit the result of zeros there; left and right padding agree.
 
 Tolerances: the references are float64 on the very (rounded) inputs klest gets; klest computes
 in float32 for float32 / bf16 / fp16 inputs. The values compared are sums of at most 12 x 9
-terms (and exponentials of sums of 9 log-ratios), so as in ``tests/sampled/test_trainer_batches.py`` the
+terms (and exponentials of sums of 9 log-ratios), so as in ``test_trainer_batches.py`` the
 difference is below ``1e3 u`` times the size of the terms (``assert_close_up_to_rounding``; u the
 compute dtype's unit roundoff); where a value is a difference of larger terms (a control
 variate, a target minus its baseline) the size is that of the terms (:func:`assert_close_to`).
