@@ -60,13 +60,19 @@ def first_token(valid: Tensor) -> Tensor:
     return valid.to(torch.uint8).argmax(-1)  # argmax gives the first of equal maxima
 
 
-def _shifted(x: Tensor, shift: Tensor) -> Tensor:
-    """Row r's column c takes ``x[r, c + shift[r]]``, 0 where that column is outside the row."""
-    t = x.shape[-1]
-    source = torch.arange(t, device=x.device) + shift.unsqueeze(-1)
+def _shift(shift: Tensor, t: int) -> tuple[Tensor, Tensor]:
+    """For rows shifted left by ``shift`` ``[rows]``: the source column of each column
+    (clamped into the row) and whether it lies inside the row, ``[rows, T]`` each."""
+    source = torch.arange(t, device=shift.device) + shift.unsqueeze(-1)
     inside = (source >= 0) & (source < t)
-    taken = x.gather(-1, source.clamp(0, max(t - 1, 0)))
-    return torch.where(inside, taken, torch.zeros((), dtype=x.dtype, device=x.device))
+    return source.clamp_(0, max(t - 1, 0)), inside
+
+
+def _take(x: Tensor, source: Tensor, inside: Tensor) -> Tensor:
+    """``x``'s columns ``source``, 0 (False) where not ``inside``."""
+    return torch.where(
+        inside, x.gather(-1, source), torch.zeros((), dtype=x.dtype, device=x.device)
+    )
 
 
 def align_left(x: Tensor, valid: Tensor, first: Tensor) -> tuple[Tensor, Tensor]:
@@ -77,10 +83,11 @@ def align_left(x: Tensor, valid: Tensor, first: Tensor) -> tuple[Tensor, Tensor]
     in past a row's end are invalid and 0. Returns the shifted values and validity. ``first`` is
     :func:`first_token` of ``valid``.
     """
-    return _shifted(x, first), _shifted(valid, first)
+    source, inside = _shift(first, x.shape[-1])
+    return _take(x, source, inside), _take(valid, source, inside)
 
 
 def unalign(aligned: Tensor, first: Tensor) -> Tensor:
     """Undo :func:`align_left`: each row's column ``c`` takes aligned column ``c - first`` (0
     for ``c < first``, the row's leading padding)."""
-    return _shifted(aligned, -first)
+    return _take(aligned, *_shift(-first, aligned.shape[-1]))
