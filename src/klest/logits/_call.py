@@ -128,7 +128,6 @@ def positions(
 
 def in_sequences(
     pos: Positions,
-    *,
     cu_seqlens: Tensor | None,
     max_seqlen: int | None,
     counts: GlobalCounts | None,

@@ -262,14 +262,7 @@ def _from_logits(
     )
     rows, flags = pos.selection(plan.backend)
     outputs = _RowsDivergence.apply(z, y, pos.labels, rows, flags, plan, checks)
-    pos = in_sequences(
-        pos,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        counts=counts,
-        device=logits.device,
-        checks=checks,
-    )
+    pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, logits.device, checks)
     checks.run()
     return finish(outputs, pos)
 

@@ -468,13 +468,6 @@ def run_hidden(
     outputs = _HiddenRows.apply(
         h, weight, bias, h_ref, w_ref, bias_ref, y, pos.labels, pos.rows, plan, checks
     )
-    pos = in_sequences(
-        pos,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        counts=counts,
-        device=hidden.device,
-        checks=checks,
-    )
+    pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, hidden.device, checks)
     checks.run()
     return finish(outputs, pos)

@@ -373,13 +373,6 @@ def kl_from_logits(
         stash=stash,
         checks=checks,
     )
-    pos = in_sequences(
-        pos,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        counts=counts,
-        device=logits.device,
-        checks=checks,
-    )
+    pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, logits.device, checks)
     checks.run()
     return finish(outputs, pos)

@@ -203,13 +203,6 @@ def kl_from_logits_vocab_parallel(
         return _merge_shards(stats, keep, group=group, owner=owner)
 
     outputs = rows_kl(z, y, local, pos, replace(plan, merge=merge), checks)
-    pos = in_sequences(
-        pos,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        counts=counts,
-        device=logits.device,
-        checks=checks,
-    )
+    pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, logits.device, checks)
     checks.run()
     return finish(outputs, pos)
