@@ -44,6 +44,18 @@ from klest._checks import (
 from klest._types import DEFAULT_REDUCTION, Reduction
 from klest.layout import Layout, PackedLayout, PaddedLayout, layout_of
 
+__all__ = [
+    "SEQUENCE_REDUCTIONS",
+    "GlobalCounts",
+    "KLDiagnostics",
+    "WithDetails",
+    "aggregate",
+    "check_counts",
+    "diagnostics",
+    "reduce_rows",
+    "sequence_shape",
+]
+
 SEQUENCE_REDUCTIONS = ("per-sequence", "seq-mean-token-sum", "sum")
 """The reductions that apply to one value per sequence (``level="sequence"``)."""
 

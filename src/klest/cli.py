@@ -12,6 +12,8 @@ import argparse
 import sys
 from pathlib import Path
 
+__all__ = ["main"]
+
 # Experiments `klest demo` runs, in order (each must be registered).
 DEMO = ("schulman", "chimera-variance")
 

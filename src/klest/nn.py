@@ -34,6 +34,8 @@ from klest.sampled.control_variates import Alpha, AlphaEMA
 from klest.sampled.log_ratios import check_level
 from klest.sampled.penalty import PenaltyDetails, kl_penalty
 
+__all__ = ["KLFromHidden", "KLFromLogits", "KLPenalty"]
+
 _STATE_BASELINES = {"ema": BaselineEMA, "loo-ema": LooScaleEMA}
 """Baselines that learn over batches: their state is a submodule (saved in ``state_dict``)."""
 

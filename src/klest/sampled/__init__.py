@@ -18,3 +18,5 @@ Read it in the order data flows through it:
 
 The public names are exported from :mod:`klest` itself.
 """
+
+__all__: list[str] = []  # the public names are exported from klest itself
