@@ -9,7 +9,7 @@ import klest
 from klest.nn import KLFromHidden, KLFromLogits, KLPenalty
 from klest.testbeds import make_generator
 from tests._testbeds import make
-from tests._tolerance import assert_logits_values_close
+from tests._tolerance import assert_close_to_rounding, assert_logits_values_close
 
 
 def test_kl_penalty_module_equals_the_function_times_beta():
@@ -153,3 +153,78 @@ def test_kl_penalty_module_with_a_fitted_loo_scale_matches_the_function_over_bat
     assert set(module.state_dict()) == {f"baseline_ema.{k}" for k in state.state_dict()}
     with pytest.raises(ValueError, match="baseline"):
         KLPenalty(baseline="loo-emma")
+
+
+class _Student(torch.nn.Module):
+    """A body and an LM head, fully sharded as one FSDP2 unit in the gloo test."""
+
+    def __init__(self):
+        super().__init__()
+        g = torch.Generator().manual_seed(3)
+        self.body = torch.nn.Linear(6, 6)
+        self.lm_head = torch.nn.Linear(6, 11)
+        with torch.no_grad():
+            for p in self.parameters():
+                p.copy_(torch.randn(p.shape, generator=g, dtype=p.dtype))
+
+    def forward(self, x):
+        return torch.tanh(self.body(x))
+
+
+def _fsdp_inputs():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 2, 3, 6, generator=g)  # 2 micro-batches of [2, 3] positions
+    h_ref = torch.randn(2, 2, 3, 6, generator=g)
+    ref_head = torch.nn.Linear(6, 11).requires_grad_(False)
+    with torch.no_grad():
+        ref_head.weight.copy_(torch.randn(11, 6, generator=g))
+        ref_head.bias.zero_()
+    return x, h_ref, ref_head
+
+
+def _fsdp_rank(rank: int, world: int):
+    """Each rank: its own rows of both micro-batches; the root sharded with
+    reshard_after_forward=True, gradient sync off for the first micro-batch."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = _Student()
+    fully_shard(model, reshard_after_forward=True)
+    x, h_ref, ref_head = _fsdp_inputs()
+    loss_fn = klest.nn.KLFromHidden(model.lm_head, ref_head, gather_with=model, reduction="sum")
+    errors = []
+    try:
+        klest.kl_from_hidden(
+            model(x[0, rank]), model.lm_head.weight, h_ref[0, rank], ref_head.weight
+        )
+    except ValueError as e:
+        errors.append(str(e))
+    for mb in range(2):
+        model.set_requires_gradient_sync(mb == 1)
+        loss_fn(model(x[mb, rank]), h_ref[mb, rank]).backward()
+    return {n: p.grad.full_tensor() for n, p in model.named_parameters()}, errors
+
+
+def test_kl_from_hidden_module_gathers_fully_sharded_heads(tmp_path):
+    """Under FSDP2 (2 gloo ranks, the LM head inside the sharded root), the module form gives
+    the single-device gradients (averaged over ranks as FSDP does: half the sum of the two
+    ranks' rows), and the tensor form refuses the shard by name. float32: a sum of 12 positions'
+    terms of order 1, 64 roundings."""
+    from tests._spawn import run_ranks
+
+    results = run_ranks(_fsdp_rank, 2, tmp_path)
+    model = _Student()
+    x, h_ref, ref_head = _fsdp_inputs()
+    loss_fn = klest.nn.KLFromHidden(model.lm_head, ref_head, reduction="sum")
+    for mb in range(2):
+        for rank in range(2):
+            (0.5 * loss_fn(model(x[mb, rank]), h_ref[mb, rank])).backward()
+    for grads, errors in results:
+        for name, p in model.named_parameters():
+            assert_close_to_rounding(grads[name], p.grad, ulps=64, what=name)
+        assert len(errors) == 1 and "gather_with=model" in errors[0]
+
+
+def test_gather_with_must_be_fully_sharded():
+    head = torch.nn.Linear(3, 5)
+    with pytest.raises(TypeError, match="fully_shard"):
+        klest.nn.KLFromHidden(head, gather_with=torch.nn.Linear(3, 5))

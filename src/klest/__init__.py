@@ -57,6 +57,7 @@ from klest.sampled.penalty import GradientEstimator
 from klest.sampled.penalty import KLGradientWarning
 from klest.sampled.penalty import PenaltyDetails
 from klest.sampled.penalty import kl_penalty
+from klest.sampled.context_parallel import ContextParallel
 from klest.sampled.penalty import PenaltyTargets
 from klest.sampled.penalty import penalty_targets
 from klest.sampled.baselines import group_baselines
@@ -78,6 +79,7 @@ __all__ = [
     "Backend",
     "Baseline",
     "BaselineEMA",
+    "ContextParallel",
     "Direction",
     "EstimateDetails",
     "Estimator",

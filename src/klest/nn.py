@@ -12,9 +12,12 @@ Each module fixes a function's options at construction and takes the tensors in 
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+import types
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args
 
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from klest._checks import check_choice, check_direction, check_flag
 from klest._types import (
@@ -257,6 +260,28 @@ class KLFromLogits(nn.Module):
         return f"direction={self.direction!r}, reduction={self.reduction!r}"
 
 
+_FORWARD_METHOD = "_klest_forward"
+"""The method klest registers on an FSDP2 module to run a call inside its forward hooks."""
+
+
+def _call(module: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _in_forward_of(
+    owners: tuple[nn.Module, ...], fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(*args, **kwargs)`` run as a forward method of each of ``owners`` (nested), so that
+    FSDP2 unshards their parameters around it and in its backward."""
+    if not owners:
+        return fn(*args, **kwargs)
+    owner, rest = owners[0], owners[1:]
+    if _FORWARD_METHOD not in vars(owner):
+        setattr(owner, _FORWARD_METHOD, types.MethodType(_call, owner))
+        register_fsdp_forward_method(owner, _FORWARD_METHOD)
+    return getattr(owner, _FORWARD_METHOD)(_in_forward_of, rest, fn, *args, **kwargs)
+
+
 class KLFromHidden(nn.Module):
     r"""Exact per-position KL from hidden states, fused with the two LM heads, as a module.
 
@@ -268,6 +293,14 @@ class KLFromHidden(nn.Module):
     by reference, not registered: they remain parameters of the models they belong to (no
     duplicate in ``parameters()`` or ``state_dict``).
 
+    Sharded heads (FSDP2's ``fully_shard``, whose parameters are DTensor shards between the
+    model's forward passes): pass the sharded module(s) that own the heads' parameters as
+    ``gather_with`` (typically the root model, and the teacher). The KL then runs as a forward
+    method of each (``torch.distributed.fsdp.register_fsdp_forward_method``): the engine gathers
+    the weights before it and reshards them after, as for the model's own forward, and again in
+    the backward. DeepSpeed ZeRO-3: run the call inside
+    ``deepspeed.zero.GatheredParameters([lm_head.weight, ref_head.weight])``.
+
     Args:
       lm_head: pi's output layer, an ``nn.Linear(H, V)``.
       ref_head: ref's output layer (omit it and pass ``logits_ref`` to ``forward``).
@@ -278,6 +311,8 @@ class KLFromHidden(nn.Module):
       backend: as in :func:`klest.kl_from_hidden`.
       memory_budget: as in :func:`klest.kl_from_hidden`.
       validate: as in :func:`klest.kl_from_hidden`.
+      gather_with: the FSDP2-sharded module(s) that own the heads' parameters (None: the
+        heads' weights are plain tensors).
 
     Example:
       >>> student_head, teacher_head = torch.nn.Linear(8, 40), torch.nn.Linear(8, 40)
@@ -299,6 +334,7 @@ class KLFromHidden(nn.Module):
         backend: Backend = "auto",
         memory_budget: int | None = None,
         validate: bool | None = None,
+        gather_with: nn.Module | Sequence[nn.Module] | None = None,
     ) -> None:
         super().__init__()
         for name, head in (("lm_head", lm_head), ("ref_head", ref_head)):
@@ -312,6 +348,14 @@ class KLFromHidden(nn.Module):
         self.backend = backend
         self.memory_budget = memory_budget
         self.validate = validate
+        owners = () if gather_with is None else gather_with
+        self._owners = (owners,) if isinstance(owners, nn.Module) else tuple(owners)
+        for owner in self._owners:
+            if not isinstance(owner, FSDPModule):
+                raise TypeError(
+                    "gather_with must hold modules sharded with torch.distributed.fsdp."
+                    f"fully_shard (FSDP2), got {type(owner).__name__}"
+                )
 
     def forward(
         self,
@@ -326,7 +370,32 @@ class KLFromHidden(nn.Module):
         counts: GlobalCounts | None = None,
         return_details: bool = False,
     ) -> Tensor | WithDetails[LogitsDetails]:
-        """:func:`klest.kl_from_hidden` with this module's heads and options."""
+        """:func:`klest.kl_from_hidden` with this module's heads and options (inside the forward
+        methods of ``gather_with``'s modules, which gather the sharded weights)."""
+        kwargs = {
+            "logits_ref": logits_ref,
+            "mask": mask,
+            "labels": labels,
+            "cu_seqlens": cu_seqlens,
+            "max_seqlen": max_seqlen,
+            "counts": counts,
+            "return_details": return_details,
+        }
+        return _in_forward_of(self._owners, self._kl, hidden, hidden_ref, **kwargs)
+
+    def _kl(
+        self,
+        hidden: Tensor,
+        hidden_ref: Tensor | None,
+        *,
+        logits_ref: Tensor | None,
+        mask: Tensor | None,
+        labels: Tensor | None,
+        cu_seqlens: Tensor | None,
+        max_seqlen: int | None,
+        counts: GlobalCounts | None,
+        return_details: bool,
+    ) -> Tensor | WithDetails[LogitsDetails]:
         lm_head, ref_head = self._heads
         if hidden_ref is not None and ref_head is None:
             raise ValueError(
@@ -357,3 +426,25 @@ class KLFromHidden(nn.Module):
 
     def extra_repr(self) -> str:
         return f"direction={self.direction!r}, reduction={self.reduction!r}"
+
+
+_FORWARD_METHOD = "_klest_forward"
+"""The method klest registers on an FSDP2 module to run a call inside its forward hooks."""
+
+
+def _call(module: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    return fn(*args, **kwargs)
+
+
+def _in_forward_of(
+    owners: tuple[nn.Module, ...], fn: Callable[..., Any], *args: Any, **kwargs: Any
+) -> Any:
+    """``fn(*args, **kwargs)`` run as a forward method of each of ``owners`` (nested), so that
+    FSDP2 unshards their parameters around it and in its backward."""
+    if not owners:
+        return fn(*args, **kwargs)
+    owner, rest = owners[0], owners[1:]
+    if _FORWARD_METHOD not in vars(owner):
+        setattr(owner, _FORWARD_METHOD, types.MethodType(_call, owner))
+        register_fsdp_forward_method(owner, _FORWARD_METHOD)
+    return getattr(owner, _FORWARD_METHOD)(_in_forward_of, rest, fn, *args, **kwargs)

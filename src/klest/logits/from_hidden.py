@@ -57,6 +57,7 @@ from klest.logits._rows import (
     workspace_bytes_per_row,
 )
 from klest.logits._stats import Grads, KLRowStats
+from klest.logits.dtensor import refuse_sharded_weight
 
 __all__ = ["HiddenRowPlan", "kl_from_hidden", "run_hidden"]
 
@@ -441,6 +442,8 @@ def run_hidden(
 ) -> Tensor | WithDetails[LogitsDetails]:
     """Check a fused call's arguments, plan its chunks (``make_plan(1 / T, backend, rows)``;
     ``workspace(V)``: the PyTorch path's bytes per row), run it and shape the result."""
+    refuse_sharded_weight(weight, hidden, "weight")
+    refuse_sharded_weight(weight_ref, hidden_ref, "weight_ref")
     check_plan_options(backend, memory_budget, chunk_size)
     tau = check_temperature(temperature)
     check_linear("", hidden, weight, bias)

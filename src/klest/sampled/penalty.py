@@ -110,6 +110,11 @@ from klest.sampled.baselines import (
     group_baseline,
     mix_coefficient,
 )
+from klest.sampled.context_parallel import (
+    ContextParallel,
+    local_columns,
+    whole_sequences,
+)
 from klest.sampled.control_variates import Alpha
 from klest.sampled.groups import group_keys
 from klest.sampled.log_ratios import (
@@ -491,6 +496,56 @@ def given_baseline(baseline: Tensor, lr: LogRatios, *, per_sequence: bool) -> Te
     return b.reshape(-1, 1) if per_sequence else lr.layout.rows(b)
 
 
+def check_context_parallel(
+    cp: object,
+    est: GradientEstimator,
+    *,
+    level: str,
+    reduction: str,
+    counts: GlobalCounts | None,
+) -> None:
+    """What a context-parallel call can compute: sampled-token gradients, per-token values,
+    reductions whose pieces add up over the ranks (means with the step's counts)."""
+    if not isinstance(cp, ContextParallel):
+        raise TypeError(
+            f"context_parallel must be a klest.ContextParallel, got {type(cp).__name__}"
+        )
+    if est.samples == "reparameterized":
+        raise ValueError(
+            f"grad={est.name!r} is for reparameterized samples; context_parallel splits token "
+            "sequences: use a score-function gradient ('cumulative', 'score', 'rb', ...)"
+        )
+    if level == "sequence" or reduction == "per-sequence":
+        raise ValueError(
+            "with context_parallel each rank holds part of every sequence: level='sequence' and "
+            "reduction='per-sequence' have no per-rank part; use per-token values (details "
+            "report each whole sequence's value)"
+        )
+    if counts is None and reduction not in ("sum", "none"):
+        raise ValueError(
+            f"reduction={reduction!r} with context_parallel needs counts= (the step's global "
+            "token and sequence counts, klest.distributed.global_counts over the data- and "
+            "context-parallel ranks, counting each sequence once): a rank's own counts are of "
+            "parts of sequences"
+        )
+
+
+def this_ranks_part(
+    est: Estimate, whole: LogRatios, local: LogRatios, columns: Tensor, reduction: str
+) -> tuple[Estimate, str]:
+    """This rank's columns of an estimate over whole sequences, and the reduction that sums the
+    ranks' parts to the whole's (``"seq-mean-token-mean"``: each token divided by its whole
+    sequence's length first)."""
+    values = local_columns(est.values, columns)
+    if reduction == "seq-mean-token-mean":
+        assert whole.valid is not None
+        length = whole.valid.sum(-1, keepdim=True).clamp(min=1).to(values.dtype)
+        values, reduction = values / length, "seq-mean-token-sum"
+    if local.valid is not None:
+        values = torch.where(local.valid, values, 0.0)
+    return Estimate(values, local.valid, local.layout), reduction
+
+
 def _check_exact_kl_baseline(grad: str, direction: str, baseline: str) -> None:
     if direction != "pi||ref":
         raise ValueError(
@@ -627,6 +682,7 @@ def kl_penalty(
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
+    context_parallel: ContextParallel | None = None,
     density: bool = False,
     validate: bool | None = None,
     return_details: bool = False,
@@ -716,6 +772,13 @@ def kl_penalty(
         :func:`klest.distributed.global_counts`), for a loss computed in pieces over
         data-parallel ranks or micro-batches: the mean reductions divide by them, so the
         pieces' gradients add up to the whole batch's.
+      context_parallel: a :class:`~klest.ContextParallel` when each rank of a
+        context-parallel group holds part of every sequence (zig-zag, head-tail or contiguous;
+        with ``cu_seqlens``, document by document): the sequence-level coefficients are computed
+        on the whole sequences from one all-gather of the detached per-token inputs, and each
+        rank's loss and gradient are its tokens' part (summed over the ranks: the whole
+        sequences'). Needs ``counts`` for the mean reductions; refuses ``level="sequence"``,
+        ``"per-sequence"`` and the reparameterized gradients.
       density: the inputs are log-densities of continuous samples, which may exceed 0 (implied
         by ``reparameterized=True``); for tokens a log-prob above 0 is an error.
       validate: run the value checks once for the whole call (None: the global default).
@@ -771,6 +834,10 @@ def kl_penalty(
         max_seqlen=max_seqlen,
     )
     check_counts(counts, reduction)
+    if context_parallel is not None:
+        check_context_parallel(
+            context_parallel, est, level=level, reduction=reduction, counts=counts
+        )
     check_group_is_used(group, baseline, estimator, alpha)
     keys = None
     if group is not None:
@@ -818,6 +885,9 @@ def kl_penalty(
         names.logp,
     )
 
+    local, columns = lr, None
+    if context_parallel is not None:  # whole sequences, this rank's tokens with their graph
+        lr, kls, columns = whole_sequences(context_parallel, lr, kls)
     # The value passes no gradient (decouple detaches it) unless it is the gradient (autodiff).
     with torch.set_grad_enabled(torch.is_grad_enabled() and grad == "autodiff"):
         value = estimate_rows(
@@ -831,10 +901,15 @@ def kl_penalty(
             checks=checks,
         )
     inputs = SurrogateInputs(lr, lr.logp, direction, value, baseline, keys, kls, stl_delta)
-    value_out = value.reduce(reduction, counts)
-    surrogate_out = est.surrogate(inputs).reduce(reduction, counts)
+    surrogate = est.surrogate(inputs)
+    local_value, local_reduction = value, reduction
+    if columns is not None:  # this rank's tokens of the whole sequences' terms
+        local_value, local_reduction = this_ranks_part(value, lr, local, columns, reduction)
+        surrogate, _ = this_ranks_part(surrogate, lr, local, columns, reduction)
+    value_out = local_value.reduce(local_reduction, counts)
+    surrogate_out = surrogate.reduce(local_reduction, counts)
     check_finite_surrogate(
-        surrogate_out, checks, _surrogate_explanation(logp, logp_ref, lr, direction, names)
+        surrogate_out, checks, _surrogate_explanation(logp, logp_ref, local, direction, names)
     )
     checks.run()
     loss = surrogate_out if grad == "autodiff" else join(value_out, surrogate_out)

@@ -71,6 +71,7 @@ from klest._checks import (
     warn_at_caller,
 )
 from klest._types import Direction, Estimator
+from klest.sampled.context_parallel import ContextParallel, local_columns, whole_sequences
 from klest.sampled.log_ratios import prepare_log_ratios
 from klest.sampled.penalty import KLGradientWarning
 from klest.sampled.sequence import sum_from_here
@@ -127,6 +128,7 @@ def kl_reward(
     reward_to_go: bool = False,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
+    context_parallel: ContextParallel | None = None,
     validate: bool | None = None,
 ) -> Tensor:
     r"""Per-token KL values to subtract from a reward (``rewards - beta * kl_reward(...)``),
@@ -165,6 +167,8 @@ def kl_reward(
         ``logp`` (``[total]`` or ``[1, total]``) holds one after another (:mod:`klest.layout`);
         the reward-to-go stops at each sequence's end.
       max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known (no host read).
+      context_parallel: each rank of a context-parallel group holds part of every sequence
+        (:class:`~klest.ContextParallel`): the rewards-to-go sum over the whole sequences.
       validate: run the value checks of :func:`klest.kl_estimate` (None: the global default).
 
     Returns:
@@ -250,9 +254,15 @@ def kl_reward(
             max_seqlen=max_seqlen,
         )
         checks.run()
+        local, columns = ratios, None
+        if reward_to_go and context_parallel is not None:  # sums to go over whole sequences
+            ratios, _, columns = whole_sequences(context_parallel, ratios, None)
         rows = per_token_values(ratios.delta, estimator, direction)
         if reward_to_go:
             rows = sum_from_here(rows) if gamma == 1.0 else _discounted_sum_from_here(rows, gamma)
             if ratios.valid is not None:
                 rows = torch.where(ratios.valid, rows, 0.0)
-        return ratios.layout.tokens(rows)
+        if columns is not None:
+            rows = local_columns(rows, columns)
+            rows = rows if local.valid is None else torch.where(local.valid, rows, 0.0)
+        return local.layout.tokens(rows)

@@ -1,0 +1,140 @@
+r"""DTensor logits: the vocabulary-parallel KL over a device mesh, the other placements kept.
+
+torchtitan, NeMo-RL's DTensor policy and verl's torchtitan engine hold logits ``[..., V]`` as
+DTensors on a device mesh. A mesh dimension whose placement shards the vocabulary (``Shard`` of
+the last dimension) becomes the process group of :func:`klest.kl_from_logits_vocab_parallel`
+(with DTensor's uneven chunks: each rank's shard size is gathered, not assumed); a mesh dimension
+that shards a position dimension (``Shard(k)``, k before the last) holds local positions, on
+which the KL is computed where they are; ``Replicate`` dimensions hold copies. The result is a
+DTensor on the same mesh with the vocabulary dimension replicated and the other placements
+kept: per position (``reduction="none"``) the position shards stay shards; a scalar reduction
+over sharded positions is a ``Partial`` sum of the ranks' parts (``"sum"``, or a mean with the
+step's ``counts``), and over unsharded positions it is replicated. A ``Partial`` placement of
+the inputs is refused (a sum of pending parts is not a distribution's logits), as is a strided
+shard of the vocabulary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from torch import Tensor
+
+__all__ = ["is_dtensor", "kl_dtensor"]
+
+
+def is_dtensor(x: object) -> bool:
+    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (without importing it early)."""
+    return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
+
+
+def _placements(logits: Any, logits_ref: Any, name: str) -> tuple[int | None, list[int]]:
+    """``(mesh dim sharding the vocabulary or None, mesh dims sharding positions)``."""
+    from torch.distributed.tensor import Partial, Replicate, Shard
+
+    if not (is_dtensor(logits) and is_dtensor(logits_ref)):
+        raise TypeError(
+            f"{name}: logits and logits_ref must both be DTensors or both plain tensors, got "
+            f"{type(logits).__name__} and {type(logits_ref).__name__}"
+        )
+    if logits.device_mesh != logits_ref.device_mesh or tuple(logits.placements) != tuple(
+        logits_ref.placements
+    ):
+        raise ValueError(
+            f"{name}: logits and logits_ref must share the device mesh and placements, got "
+            f"{tuple(logits.placements)} and {tuple(logits_ref.placements)}"
+        )
+    last = logits.ndim - 1
+    vocab_dim, position_dims = None, []
+    for i, p in enumerate(logits.placements):
+        if isinstance(p, Replicate):
+            continue
+        if isinstance(p, Partial):
+            raise ValueError(
+                f"{name}: mesh dimension {i} holds the logits as {p} (pending partial sums); "
+                "redistribute to Shard or Replicate first"
+            )
+        if type(p) is not Shard:
+            raise ValueError(
+                f"{name}: mesh dimension {i} has placement {p}, which klest cannot map to "
+                "vocabulary shards or positions; redistribute to Shard(-1) or Replicate"
+            )
+        dim = p.dim % logits.ndim
+        if dim == last:
+            if vocab_dim is not None:
+                raise ValueError(f"{name}: two mesh dimensions shard the vocabulary")
+            vocab_dim = i
+        else:
+            position_dims.append(i)
+    return vocab_dim, position_dims
+
+
+def _local(x: Any) -> Any:
+    return x.to_local() if is_dtensor(x) else x
+
+
+def kl_dtensor(
+    logits: Any,
+    logits_ref: Any,
+    *,
+    single: Callable[..., Any],
+    vocab_parallel: Callable[..., Any],
+    reduction: str,
+    counts: object,
+    options: dict[str, Any],
+    name: str = "kl_from_logits",
+) -> Any:
+    """The KL of DTensor logits: ``vocab_parallel`` over the vocabulary's mesh dimension (or
+    ``single`` when the vocabulary is whole), on the local positions; the result as a DTensor
+    (module docstring). ``options`` are passed on; DTensor ``mask``/``labels`` become local."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
+    vocab_dim, position_dims = _placements(logits, logits_ref, name)
+    mesh = logits.device_mesh
+    local_options = {k: _local(v) for k, v in options.items()}
+    local_options["reduction"] = reduction
+    local_options["counts"] = counts
+    scalar = reduction not in ("none", "per-sequence")
+    if position_dims and scalar and reduction != "sum" and counts is None:
+        raise ValueError(
+            f"{name}: reduction={reduction!r} over positions sharded on mesh dimension(s) "
+            f"{position_dims} needs counts= (the global token and sequence counts), or use "
+            "reduction='sum' or 'none'; each rank's own mean would be of its part only"
+        )
+    z, y = logits.to_local(), logits_ref.to_local()
+    if vocab_dim is None:
+        out = single(z, y, **local_options)
+    else:
+        group = mesh.get_group(vocab_dim)
+        out = vocab_parallel(z, y, group=group, vocab_size=logits.shape[-1], **local_options)
+    value = out[0] if isinstance(out, tuple) else out
+    placements = []
+    for i, p in enumerate(logits.placements):
+        if i == vocab_dim or p.is_replicate():
+            placements.append(Replicate())
+        elif p.dim % logits.ndim < value.ndim:  # a position dimension the result keeps
+            placements.append(p)
+        else:  # summed over: each rank holds a part of the sum
+            placements.append(Partial())
+    wrapped = DTensor.from_local(value, mesh, placements, run_check=False)
+    if isinstance(out, tuple):
+        return type(out)(wrapped, out[1])
+    return wrapped
+
+
+def local_of(x: Any) -> Tensor:
+    """A DTensor's local tensor, a plain tensor as it is."""
+    return _local(x)
+
+
+def refuse_sharded_weight(weight: object, hidden: object, name: str) -> None:
+    """A DTensor head weight with plain hidden states is an FSDP2 shard read outside the
+    module's forward: refuse it with the module form that gathers it."""
+    if is_dtensor(weight) and not is_dtensor(hidden):
+        raise ValueError(
+            f"{name} is a DTensor shard (a head sharded by FSDP2's fully_shard?) read outside its "
+            "module's forward; use klest.nn.KLFromHidden(lm_head, ref_head, gather_with=model), "
+            "which runs the KL as a forward method of the sharded model so that the weights are "
+            "gathered, or pass the gathered weight"
+        )
