@@ -37,7 +37,7 @@ from klest.sampled.control_variates import Alpha, AlphaEMA
 from klest.sampled.log_ratios import check_level
 from klest.sampled.penalty import PenaltyDetails, kl_penalty
 
-__all__ = ["KLFromHidden", "KLFromLogits", "KLPenalty"]
+__all__ = ["KLFromHidden", "KLFromLogits", "KLPenalty", "in_forward_of"]
 
 _STATE_BASELINES = {"ema": BaselineEMA, "loo-ema": LooScaleEMA}
 """Baselines that learn over batches: their state is a submodule (saved in ``state_dict``)."""
@@ -260,28 +260,6 @@ class KLFromLogits(nn.Module):
         return f"direction={self.direction!r}, reduction={self.reduction!r}"
 
 
-_FORWARD_METHOD = "_klest_forward"
-"""The method klest registers on an FSDP2 module to run a call inside its forward hooks."""
-
-
-def _call(module: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    return fn(*args, **kwargs)
-
-
-def _in_forward_of(
-    owners: tuple[nn.Module, ...], fn: Callable[..., Any], *args: Any, **kwargs: Any
-) -> Any:
-    """``fn(*args, **kwargs)`` run as a forward method of each of ``owners`` (nested), so that
-    FSDP2 unshards their parameters around it and in its backward."""
-    if not owners:
-        return fn(*args, **kwargs)
-    owner, rest = owners[0], owners[1:]
-    if _FORWARD_METHOD not in vars(owner):
-        setattr(owner, _FORWARD_METHOD, types.MethodType(_call, owner))
-        register_fsdp_forward_method(owner, _FORWARD_METHOD)
-    return getattr(owner, _FORWARD_METHOD)(_in_forward_of, rest, fn, *args, **kwargs)
-
-
 class KLFromHidden(nn.Module):
     r"""Exact per-position KL from hidden states, fused with the two LM heads, as a module.
 
@@ -381,7 +359,7 @@ class KLFromHidden(nn.Module):
             "counts": counts,
             "return_details": return_details,
         }
-        return _in_forward_of(self._owners, self._kl, hidden, hidden_ref, **kwargs)
+        return in_forward_of(self._owners, self._kl, hidden, hidden_ref, **kwargs)
 
     def _kl(
         self,
@@ -436,15 +414,36 @@ def _call(module: nn.Module, fn: Callable[..., Any], *args: Any, **kwargs: Any) 
     return fn(*args, **kwargs)
 
 
-def _in_forward_of(
-    owners: tuple[nn.Module, ...], fn: Callable[..., Any], *args: Any, **kwargs: Any
+def in_forward_of(
+    modules: nn.Module | Sequence[nn.Module], fn: Callable[..., Any], *args: Any, **kwargs: Any
 ) -> Any:
-    """``fn(*args, **kwargs)`` run as a forward method of each of ``owners`` (nested), so that
-    FSDP2 unshards their parameters around it and in its backward."""
+    """``fn(*args, **kwargs)`` run as a forward method of each FSDP2 module in ``modules``
+    (nested; other modules are skipped), so that FSDP2 gathers their sharded parameters around
+    it, and again in its backward, as for the modules' own forward.
+
+    For code that reads a sharded model's weights outside its forward (an LM head's weight for a
+    fused loss): read them *inside* ``fn``, where they are whole. Registers a method on each
+    module (``torch.distributed.fsdp.register_fsdp_forward_method``) the first time.
+
+    Args:
+      modules: the modules that own the parameters ``fn`` reads (``fully_shard``-ed ones are
+        gathered; plain ones need nothing).
+      fn: the computation; its arguments follow.
+
+    Returns:
+      What ``fn`` returns.
+
+    Example:
+      >>> head = torch.nn.Linear(4, 7)
+      >>> h, logits_ref = torch.randn(2, 4), torch.randn(2, 7)
+      >>> kl = in_forward_of(head, lambda: kl_from_hidden(h, head.weight, logits_ref=logits_ref))
+    """
+    owners = [modules] if isinstance(modules, nn.Module) else list(modules)
+    owners = [m for m in owners if isinstance(m, FSDPModule)]
     if not owners:
         return fn(*args, **kwargs)
     owner, rest = owners[0], owners[1:]
     if _FORWARD_METHOD not in vars(owner):
         setattr(owner, _FORWARD_METHOD, types.MethodType(_call, owner))
         register_fsdp_forward_method(owner, _FORWARD_METHOD)
-    return getattr(owner, _FORWARD_METHOD)(_in_forward_of, rest, fn, *args, **kwargs)
+    return getattr(owner, _FORWARD_METHOD)(in_forward_of, rest, fn, *args, **kwargs)

@@ -51,6 +51,7 @@ from klest._types import Baseline, Direction, Estimator, Grad, Reduction
 from klest.aggregation import WithDetails
 from klest.integrations.hf import group_ids_from_prompts
 from klest.logits import jsd_from_hidden
+from klest.nn import in_forward_of
 from klest.sampled.penalty import (
     EXACT_KL_BASELINES,
     GRADIENT_ESTIMATORS,
@@ -468,20 +469,24 @@ class DistillationTrainer(trl.DistillationTrainer):
             )
         head = _plain_lm_head(unwrapped_student, "student")
         head_ref = _plain_lm_head(unwrapped_teacher, "teacher")
-        kls, details = jsd_from_hidden(  # the KL at beta 0 and 1
-            h,
-            head.weight,
-            h_ref.to(head.weight.device),
-            head_ref.weight,
-            beta=self.beta,
-            bias=head.bias,
-            bias_ref=head_ref.bias,
-            mask=mask,
-            reduction="none",
-            temperature=self.temperature,
-            labels=inputs["completion_ids"] if self.sequence_level else None,
-            return_details=True,
-        )
+
+        def divergence():  # the heads' weights read here: gathered when FSDP2 shards them
+            return jsd_from_hidden(  # the KL at beta 0 and 1
+                h,
+                head.weight,
+                h_ref.to(h.device),
+                head_ref.weight,
+                beta=self.beta,
+                bias=head.bias,
+                bias_ref=head_ref.bias,
+                mask=mask,
+                reduction="none",
+                temperature=self.temperature,
+                labels=inputs["completion_ids"] if self.sequence_level else None,
+                return_details=True,
+            )
+
+        kls, details = in_forward_of((unwrapped_student, unwrapped_teacher), divergence)
         if self.sequence_level:
             group = group_ids_from_prompts(inputs["prompt_ids"], prompt_mask=inputs["prompt_mask"])
             per_token = kl_penalty(
