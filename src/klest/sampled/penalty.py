@@ -71,8 +71,9 @@ References:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal, NamedTuple
 
 import torch
@@ -89,6 +90,7 @@ from klest._checks import (
     check_float_tensor,
     check_group,
     check_same_shape,
+    first_bad,
     resolve_validate,
     warn_at_caller,
 )
@@ -125,9 +127,9 @@ from klest.sampled.log_ratios import (
 )
 from klest.sampled.sequence import (
     align_left,
+    discounted_sum_from_here,
     first_token,
     prefix_weights,
-    sum_after,
     sum_from_here,
     unalign,
 )
@@ -181,10 +183,28 @@ class SurrogateInputs:
     keys: Tensor | None
     kls: Tensor | None
     stl_delta: Tensor | None
+    discount: float = 1.0  # of the later tokens' terms in cumulative and rb targets
+    token_weights: Tensor | None = None  # per-token weights of the objective, detached rows
+    power: float = 0.0  # Box-Cox power of the per-token rewards in the score coefficients
 
     @property
     def on_policy(self) -> bool:
         return self.lr.log_w is None
+
+    def rewards(self, d: Tensor) -> Tensor:
+        """What the scores are multiplied by per token: the log-ratio, or its Box-Cox power
+        transform :math:`(1 - e^{-\alpha\rho_t})/\alpha` (``power=``)."""
+        return d if self.power == 0.0 else -torch.expm1(-self.power * d) / self.power
+
+    def weighted(self, x: Tensor) -> Tensor:
+        """Per-token terms times the objective's token weights (none: as they are)."""
+        return x if self.token_weights is None else x * self.token_weights
+
+    def to_go(self, x: Tensor) -> Tensor:
+        """The (discounted) sums from each token on, ``sum_{u >= t} discount^(u - t) x_u``."""
+        if self.discount == 1.0:
+            return sum_from_here(x)
+        return discounted_sum_from_here(x, self.discount)
 
     def token_estimate(self, values: Tensor) -> Estimate:
         valid = self.lr.valid
@@ -261,7 +281,7 @@ def _stl(x: SurrogateInputs) -> Estimate:
 def _token(x: SurrogateInputs) -> Estimate:
     """Each token's score times its own (weighted) log-ratio term only."""
     d = x.lr.delta.detach()
-    coef = d if x.direction == "pi||ref" else -torch.expm1(-d)
+    coef = x.weighted(x.rewards(d)) if x.direction == "pi||ref" else -torch.expm1(-d)
     coef = coef - x.baseline_for(coef, x.lr.valid)  # only an exact-KL baseline gets here
     if x.lr.log_w is not None:
         coef = torch.exp(x.lr.log_w.detach()) * coef
@@ -285,7 +305,7 @@ class Targets(NamedTuple):
 def score_targets(x: SurrogateInputs) -> Targets:
     """``score``: the whole sequence's target ``[rows, 1]``: its summed log-ratio (KL(pi||ref))
     or its ratio R (KL(ref||pi)), weighted by the sequence's importance weight."""
-    seq_delta = x.lr.delta.detach().sum(-1, keepdim=True)
+    seq_delta = x.weighted(x.rewards(x.lr.delta.detach())).sum(-1, keepdim=True)
     target = seq_delta if x.direction == "pi||ref" else torch.exp(-seq_delta)
     w = prefix_weights(x.lr.log_w, inclusive=True)
     w_seq = w if x.on_policy else w[:, -1:]
@@ -298,11 +318,14 @@ def cumulative_targets(x: SurrogateInputs) -> Targets:
     (KL(pi||ref)) or the prefix ratio (KL(ref||pi))."""
     d = x.lr.delta.detach()
     if x.on_policy:
-        target = sum_from_here(d) if x.direction == "pi||ref" else torch.exp(-d.cumsum(-1))
+        if x.direction == "pi||ref":
+            target = x.to_go(x.weighted(x.rewards(d)))
+        else:
+            target = torch.exp(-d.cumsum(-1))
         return Targets(target, target, x.lr.valid, 1.0)
     w = prefix_weights(x.lr.log_w, inclusive=True)
     if x.direction == "pi||ref":
-        target = sum_from_here(w * d)
+        target = x.to_go(w * x.weighted(d))
         return Targets(target, *x.unweighted(target, w), w)
     unweighted = torch.exp(-d.cumsum(-1))
     return Targets(w * unweighted, unweighted, x.lr.valid, w)
@@ -311,7 +334,8 @@ def cumulative_targets(x: SurrogateInputs) -> Targets:
 def rb_targets(x: SurrogateInputs) -> Targets:
     """``rb`` (KL(pi||ref)): each token's target ``[rows, T]``: the exact KLs after it."""
     assert x.kls is not None
-    future = sum_after(rb_weights(x.lr, x.direction) * x.kls.detach())
+    terms = x.weighted(rb_weights(x.lr, x.direction) * x.kls.detach())
+    future = x.to_go(terms) - terms  # the (discounted) exact KLs after each token
     if x.on_policy:
         return Targets(future, future, x.lr.valid, 1.0)
     w_incl = prefix_weights(x.lr.log_w, inclusive=True)
@@ -339,7 +363,7 @@ def _cumulative(x: SurrogateInputs) -> Estimate:
 def _rb(x: SurrogateInputs) -> Estimate:
     """Pathwise through the exact per-position KLs, plus (KL(pi||ref)) the scores of the future."""
     assert x.kls is not None
-    surrogate = rb_weights(x.lr, x.direction) * x.kls
+    surrogate = x.weighted(rb_weights(x.lr, x.direction) * x.kls)
     if x.direction == "pi||ref":
         surrogate = surrogate + x.logp_rows * _baselined(x, rb_targets(x))
     return x.token_estimate(surrogate)
@@ -494,6 +518,90 @@ def given_baseline(baseline: Tensor, lr: LogRatios, *, per_sequence: bool) -> Te
         raise ValueError(f"baseline is on {baseline.device} but logp is on {lr.delta.device}")
     b = baseline.detach().to(lr.delta.dtype)
     return b.reshape(-1, 1) if per_sequence else lr.layout.rows(b)
+
+
+DISCOUNTED_GRADS: tuple[str, ...] = ("cumulative", "rb")
+"""The gradient estimators whose targets sum the later tokens' terms (``discount=``)."""
+
+
+def check_objective_options(
+    est: GradientEstimator,
+    discount: object,
+    weights: object,
+    *,
+    direction: str,
+    level: str,
+    cp: object,
+) -> float:
+    """``discount`` in [0, 1] for the estimators that sum later tokens' terms; per-token
+    ``weights`` for the sampled-token estimators of KL(pi||ref), at the token level."""
+    if isinstance(discount, bool) or not isinstance(discount, int | float):
+        raise TypeError(f"discount must be a float in [0, 1], got {type(discount).__name__}")
+    if not (math.isfinite(discount) and 0.0 <= discount <= 1.0):
+        raise ValueError(f"discount must be in [0, 1], got {discount!r}")
+    if discount != 1.0 and (est.name not in DISCOUNTED_GRADS or direction != "pi||ref"):
+        raise ValueError(
+            f"discount={discount} discounts the later tokens' log-ratios (or exact KLs) in the "
+            f"targets of grad='cumulative' and grad='rb' for KL(pi||ref); not grad={est.name!r} "
+            f"with direction={direction!r} (discount=0 is grad='token')"
+        )
+    if weights is None:
+        return float(discount)
+    if est.samples != "sampled" or direction != "pi||ref":
+        raise ValueError(
+            "weights= weights each token's term of the KL(pi||ref) objective for the sampled-token "
+            f"gradients (score, cumulative, rb, token); not grad={est.name!r} with "
+            f"direction={direction!r}"
+        )
+    if level == "sequence":
+        raise ValueError("weights= weights tokens: use level='token'")
+    if cp is not None:
+        raise ValueError("weights= with context_parallel is not supported yet")
+    return float(discount)
+
+
+POWERED_GRADS: tuple[str, ...] = ("score", "cumulative", "token")
+"""The score-function estimators whose per-token rewards ``power=`` transforms."""
+
+
+def check_power(
+    power: object, est: GradientEstimator, *, direction: str, weights: object, off_policy: bool
+) -> float:
+    """``power`` >= 0 (0: the log-ratio itself) for on-policy score-function KL(pi||ref)."""
+    if isinstance(power, bool) or not isinstance(power, int | float):
+        raise TypeError(f"power must be a float >= 0, got {type(power).__name__}")
+    if not (math.isfinite(power) and power >= 0.0):
+        raise ValueError(f"power must be a finite float >= 0, got {power!r}")
+    if power == 0.0:
+        return 0.0
+    if est.name not in POWERED_GRADS or direction != "pi||ref" or off_policy:
+        raise ValueError(
+            f"power={power} transforms the per-token rewards of the on-policy score-function "
+            f"gradients of KL(pi||ref) (grad in {POWERED_GRADS}); not grad={est.name!r} with "
+            f"direction={direction!r}{' off-policy' if off_policy else ''}"
+        )
+    if weights is not None:
+        raise ValueError("power= and weights= together are not supported")
+    return float(power)
+
+
+def given_weights(weights: object, lr: LogRatios, checks: ValueChecks) -> Tensor:
+    """Per-token weights of the objective as rows, detached, 0 where not valid."""
+    w = check_float_tensor("weights", weights)
+    if w.shape != lr.layout.shape:
+        raise ValueError(
+            f"weights has shape {tuple(w.shape)}; it holds one weight per token, the log-probs' "
+            f"shape {tuple(lr.layout.shape)}"
+        )
+    if lr.log_w is not None:
+        raise ValueError("weights= is for on-policy samples: pass no log_w (behavior log-probs)")
+    rows = lr.layout.rows(w.detach()).to(lr.delta.dtype)
+    bad = ~torch.isfinite(rows)
+    checks.add(
+        bad if lr.valid is None else bad & lr.valid,
+        lambda flags: f"weights is NaN or infinite at {first_bad(flags)}",
+    )
+    return rows if lr.valid is None else torch.where(lr.valid, rows, 0.0)
 
 
 def check_context_parallel(
@@ -679,6 +787,9 @@ def kl_penalty(
     logits_ref: Tensor | None = None,
     position_kls: Tensor | None = None,
     logp_stl: Tensor | None = None,
+    discount: float = 1.0,
+    weights: Tensor | None = None,
+    power: float = 0.0,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -761,6 +872,37 @@ def kl_penalty(
         tensor). With ``grad="rb"`` they are backpropagated through as given.
       logp_stl: for ``grad="stl"``: log pi of the samples with pi's distribution parameters
         stopped (x itself still differentiable).
+      discount: :math:`\gamma \in [0, 1]` for ``cumulative`` and ``rb`` (KL(pi||ref)): each
+        token's target sums the later tokens' log-ratios (exact KLs) discounted by
+        :math:`\gamma^{u-t}`, between the token-local gradient (0: ``grad="token"``) and the
+        sequence KL's (1, the default). Its mean is
+        :math:`\sum_u \sum_{t \le u} \gamma^{u-t} E[s_t \rho_u]`, the gradient of no
+        divergence for :math:`0 < \gamma < 1` (GAE-OPD's discounted return-to-go, arXiv
+        2606.22793).
+      weights: per-token weights :math:`w_t` ``logp.shape`` (detached; on-policy) of the
+        per-token penalties :math:`w_t \rho_t` (KL(pi||ref), sampled-token gradients;
+        IW-OPD's token weights, arXiv 2606.22600): the value and every token's term are
+        weighted. ``score`` and ``cumulative``'s mean gradient is the policy gradient of
+        these penalties held fixed, :math:`\nabla_{\theta'} E_{y\sim\pi_{\theta'}}
+        [\sum_t w_t\rho_t]`, for weights that read the tokens up to their own,
+        :math:`w_t(y_{\le t})` (``token``: the same with the prefixes fixed); where they read
+        only the tokens before, :math:`w_t(y_{<t})`, it is the gradient of
+        :math:`E_\pi[\sum_t w_t\rho_t]` (``rb``: only then). Weights that read later tokens
+        (IW-OPD's read the whole sequence's) bias both.
+      power: :math:`\alpha \ge 0`: the scores of ``score``, ``cumulative`` and ``token``
+        (on-policy, KL(pi||ref)) are multiplied by the Box-Cox transformed rewards
+        :math:`\rho^{(\alpha)}_t = (1 - (ref_t/\pi_t)^{\alpha})/\alpha` in place of
+        :math:`\rho_t` (0, the default: :math:`\rho_t` itself; PowerOPD, arXiv 2606.17199);
+        bounded above by :math:`1/\alpha`. The value is still the KL estimate. Per token the
+        mean gradient is Amari's alpha-divergence's,
+        :math:`\nabla D_\alpha(\pi_t\|ref_t)`,
+        :math:`D_\alpha = (1 - \sum_v \pi^{1-\alpha} ref^{\alpha})/(\alpha(1-\alpha))`
+        (KL(ref||pi) at :math:`\alpha = 1`): ``token``'s mean is
+        :math:`\sum_t E_{y_{<t}}[\nabla D_\alpha(\pi_t\|ref_t)]` with the prefixes fixed;
+        ``cumulative``'s adds each prefix's effect on the later tokens' rewards held fixed,
+        :math:`\sum_u \nabla_{\theta'} E_{y\sim\pi_{\theta'}}[\rho^{(\alpha)}_u]`, which
+        weights the prefixes' terms by :math:`1-\alpha` relative to the divergence's: for
+        :math:`\alpha \ne 0` the mean gradient of no sequence divergence.
       cu_seqlens: packed sequences (:mod:`klest.layout`): the offsets ``[S + 1]`` of the S
         sequences whose tokens ``logp`` (``[total]`` or ``[1, total]``) holds one after
         another; every per-token input, the mask and ``reduction="none"``'s output share that
@@ -834,6 +976,13 @@ def kl_penalty(
         max_seqlen=max_seqlen,
     )
     check_counts(counts, reduction)
+    discount = check_objective_options(
+        est, discount, weights, direction=direction, level=level, cp=context_parallel
+    )
+    token_weights = None if weights is None else given_weights(weights, lr, checks)
+    power = check_power(
+        power, est, direction=direction, weights=weights, off_policy=logp_behavior is not None
+    )
     if context_parallel is not None:
         check_context_parallel(
             context_parallel, est, level=level, reduction=reduction, counts=counts
@@ -900,7 +1049,21 @@ def kl_penalty(
             kls=kls,
             checks=checks,
         )
-    inputs = SurrogateInputs(lr, lr.logp, direction, value, baseline, keys, kls, stl_delta)
+    if token_weights is not None:  # the objective's per-token weights, in the value too
+        value = replace(value, values=value.values * token_weights)
+    inputs = SurrogateInputs(
+        lr,
+        lr.logp,
+        direction,
+        value,
+        baseline,
+        keys,
+        kls,
+        stl_delta,
+        discount,
+        token_weights,
+        power,
+    )
     surrogate = est.surrogate(inputs)
     local_value, local_reduction = value, reduction
     if columns is not None:  # this rank's tokens of the whole sequences' terms
@@ -992,6 +1155,9 @@ def penalty_targets(
     logits: Tensor | None = None,
     logits_ref: Tensor | None = None,
     position_kls: Tensor | None = None,
+    discount: float = 1.0,
+    weights: Tensor | None = None,
+    power: float = 0.0,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     validate: bool | None = None,
@@ -1030,6 +1196,9 @@ def penalty_targets(
       logits: pi's logits along the samples, for ``grad="rb"``.
       logits_ref: ref's, for ``grad="rb"``.
       position_kls: instead of the logits, the exact per-position KLs.
+      discount: as for :func:`kl_penalty`.
+      weights: as for :func:`kl_penalty`.
+      power: as for :func:`kl_penalty`.
       cu_seqlens: packed sequences (:mod:`klest.layout`).
       max_seqlen: with ``cu_seqlens``, the longest sequence's length, if known.
       validate: run the value checks (None: the global default).
@@ -1076,8 +1245,27 @@ def penalty_targets(
                 checks=checks,
                 why="grad='rb'",
             )
+        discount = check_objective_options(
+            est, discount, weights, direction=direction, level="token", cp=None
+        )
+        token_weights = None if weights is None else given_weights(weights, lr, checks)
+        power = check_power(
+            power, est, direction=direction, weights=weights, off_policy=logp_behavior is not None
+        )
         checks.run()
-        x = SurrogateInputs(lr, lr.logp, direction, None, None, None, kls, None)  # type: ignore[arg-type]
+        x = SurrogateInputs(
+            lr,
+            lr.logp,
+            direction,
+            None,
+            None,
+            None,
+            kls,
+            None,
+            discount,
+            token_weights,  # type: ignore[arg-type]
+            power,
+        )
         t = _TARGETS[grad](x)
         valid = t.valid if t.valid is not None else torch.ones_like(t.baseline_in, dtype=torch.bool)
         targets = torch.where(valid, t.baseline_in, 0.0)

@@ -74,13 +74,10 @@ from klest._types import Direction, Estimator
 from klest.sampled.context_parallel import ContextParallel, local_columns, whole_sequences
 from klest.sampled.log_ratios import prepare_log_ratios
 from klest.sampled.penalty import KLGradientWarning
-from klest.sampled.sequence import sum_from_here
+from klest.sampled.sequence import discounted_sum_from_here, sum_from_here
 from klest.sampled.terms import per_token_values
 
 __all__ = ["kl_reward"]
-
-# Columns per block of the discounted scan: a [K, K] matrix of discount powers per block.
-_BLOCK = 64
 
 
 def _check_discount(discount: object) -> float:
@@ -89,32 +86,6 @@ def _check_discount(discount: object) -> float:
     if not (math.isfinite(discount) and 0.0 < discount <= 1.0):
         raise ValueError(f"discount must be in (0, 1], got {discount!r}")
     return float(discount)
-
-
-def _discounted_sum_from_here(x: Tensor, discount: float) -> Tensor:
-    r"""``out[:, t] = sum_{u >= t} discount^(u - t) x[:, u]`` for ``x`` ``[rows, T]``.
-
-    Block by block from the end: within a block of K columns a ``[K, K]`` matrix of powers
-    :math:`\gamma^{u-t}` (``u >= t``, all at most 1: no overflow), and each block adds
-    :math:`\gamma^{e-t}` times the first column of the block after it (starting at e).
-    """
-    rows, t_len = x.shape
-    out = torch.empty_like(x)
-    k = min(_BLOCK, t_len)
-    if k == 0:
-        return out
-    steps = torch.arange(k, device=x.device)
-    gap = steps.unsqueeze(0) - steps.unsqueeze(1)  # [t, u] -> u - t
-    powers = torch.where(gap >= 0, discount ** gap.clamp(min=0).to(x.dtype), 0.0)
-    carry = x.new_zeros(rows)  # out[:, e]: the first column after the block
-    for end in range(t_len, 0, -k):
-        start = max(end - k, 0)
-        n = end - start
-        block = x[:, start:end] @ powers[:n, :n].T  # [rows, n]
-        block += carry.unsqueeze(1) * discount ** (n - steps[:n]).to(x.dtype)
-        out[:, start:end] = block
-        carry = block[:, 0]
-    return out
 
 
 def kl_reward(
@@ -259,7 +230,7 @@ def kl_reward(
             ratios, _, columns = whole_sequences(context_parallel, ratios, None)
         rows = per_token_values(ratios.delta, estimator, direction)
         if reward_to_go:
-            rows = sum_from_here(rows) if gamma == 1.0 else _discounted_sum_from_here(rows, gamma)
+            rows = sum_from_here(rows) if gamma == 1.0 else discounted_sum_from_here(rows, gamma)
             if ratios.valid is not None:
                 rows = torch.where(ratios.valid, rows, 0.0)
         if columns is not None:

@@ -20,6 +20,7 @@ from torch import Tensor
 
 __all__ = [
     "align_left",
+    "discounted_sum_from_here",
     "first_token",
     "prefix_weights",
     "sum_after",
@@ -32,6 +33,37 @@ def sum_from_here(x: Tensor) -> Tensor:
     """``out[:, t] = sum_{u >= t} x[:, u]`` (reverse cumulative sum over tokens), as the row total
     minus the sum before t (absolute error a few ulps of the row's partial sums)."""
     return x.sum(-1, keepdim=True) - (x.cumsum(-1) - x)
+
+
+# Columns per block of the discounted scan: a [K, K] matrix of discount powers per block.
+_BLOCK = 64
+
+
+def discounted_sum_from_here(x: Tensor, discount: float) -> Tensor:
+    r"""``out[:, t] = sum_{u >= t} discount^(u - t) x[:, u]`` for ``x`` ``[rows, T]``
+    (``discount`` in [0, 1]; 0: ``x`` itself, 1: :func:`sum_from_here`).
+
+    Block by block from the end: within a block of K columns a ``[K, K]`` matrix of powers
+    :math:`\gamma^{u-t}` (``u >= t``, all at most 1: no overflow), and each block adds
+    :math:`\gamma^{e-t}` times the first column of the block after it (starting at e).
+    """
+    rows, t_len = x.shape
+    out = torch.empty_like(x)
+    k = min(_BLOCK, t_len)
+    if k == 0:
+        return out
+    steps = torch.arange(k, device=x.device)
+    gap = steps.unsqueeze(0) - steps.unsqueeze(1)  # [t, u] -> u - t
+    powers = torch.where(gap >= 0, discount ** gap.clamp(min=0).to(x.dtype), 0.0)
+    carry = x.new_zeros(rows)  # out[:, e]: the first column after the block
+    for end in range(t_len, 0, -k):
+        start = max(end - k, 0)
+        n = end - start
+        block = x[:, start:end] @ powers[:n, :n].T  # [rows, n]
+        block += carry.unsqueeze(1) * discount ** (n - steps[:n]).to(x.dtype)
+        out[:, start:end] = block
+        carry = block[:, 0]
+    return out
 
 
 def sum_after(x: Tensor) -> Tensor:
