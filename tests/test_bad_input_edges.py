@@ -26,6 +26,9 @@ from hypothesis import strategies as st
 import klest
 from klest.integrations import openrlhf, verl
 
+# kl_penalty called without a graph says its gradient is not recorded: not what is tested here.
+pytestmark = pytest.mark.filterwarnings("ignore::klest.KLGradientWarning")
+
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 HALF = (torch.float16, torch.bfloat16)
 
@@ -314,3 +317,67 @@ def test_number_options_at_the_edges(name, make, lo, hi, lo_open, hi_open):
         else:
             with pytest.raises(ValueError, match=rf"^{name} must"):
                 make(x)
+
+
+def _mask_calls(mask: torch.Tensor) -> dict[str, Callable[[], object]]:
+    """Every public function that takes a 0/1 mask of shape ``[2, 3]``, called with ``mask``
+    (keyed by the argument's name as the function spells it, and the function)."""
+    import klest.distributed
+    from klest.integrations import hf
+
+    g = torch.Generator().manual_seed(0)
+    logp = -torch.rand(2, 3, generator=g) - 0.1
+    logp_ref = -torch.rand(2, 3, generator=g) - 0.1
+    z = torch.randn(2, 3, 5, generator=g)
+    y = torch.randn(2, 3, 5, generator=g)
+    h, w = torch.randn(2, 3, 4, generator=g), torch.randn(5, 4, generator=g)
+    idx = torch.tensor([0, 1]).expand(2, 3, 2)
+    top = torch.full((2, 3, 2), math.log(0.3))
+    ids = torch.tensor([[1, 2, 3], [1, 2, 4]])
+    return {
+        "kl_estimate mask": lambda: klest.kl_estimate(logp, logp_ref, mask=mask),
+        "kl_penalty mask": lambda: klest.kl_penalty(logp, logp_ref, mask=mask),
+        "penalty_targets mask": lambda: klest.penalty_targets(logp, logp_ref, mask=mask),
+        "kl_reward mask": lambda: klest.kl_reward(logp, logp_ref, mask=mask),
+        "aggregate mask": lambda: klest.aggregate(logp, mask=mask),
+        "group_baselines mask": lambda: klest.group_baselines(
+            logp, group=torch.tensor([0, 0]), mask=mask
+        ),
+        "global_counts mask": lambda: klest.distributed.global_counts(mask),
+        "kl_from_logits mask": lambda: klest.kl_from_logits(z, y, mask=mask),
+        "categorical_kl mask": lambda: klest.categorical_kl(z, y, mask=mask),
+        "kl_from_hidden mask": lambda: klest.kl_from_hidden(h, w, logits_ref=y, mask=mask),
+        "jsd_from_logits mask": lambda: klest.jsd_from_logits(z, y, beta=0.5, mask=mask),
+        "skew_kl_from_logits mask": lambda: klest.skew_kl_from_logits(z, y, alpha=0.1, mask=mask),
+        "tv_from_logits mask": lambda: klest.tv_from_logits(z, y, mask=mask),
+        "jsd_from_hidden mask": lambda: klest.jsd_from_hidden(
+            h, w, logits_ref=y, beta=0.5, mask=mask
+        ),
+        "kl_from_topk mask": lambda: klest.kl_from_topk(
+            z, idx, top, estimator="tail-bucket", mask=mask
+        ),
+        "verl.kl_penalty mask": lambda: verl.kl_penalty(logp, logp_ref, "k3", mask=mask),
+        "verl.agg_loss loss_mask": lambda: verl.agg_loss(logp, mask, "token-mean"),
+        "openrlhf action_mask": lambda: openrlhf.compute_approx_kl(
+            logp, logp_ref, kl_estimator="k3", action_mask=mask
+        ),
+        "hf.completion_batch attention_mask": lambda: hf.completion_batch(
+            z, ids, attention_mask=mask, prompt_lengths=1
+        ),
+        "hf.group_ids_from_prompts prompt_mask": lambda: hf.group_ids_from_prompts(
+            ids, prompt_mask=mask
+        ),
+    }
+
+
+@pytest.mark.parametrize("call", list(_mask_calls(torch.ones(2, 3))))
+@pytest.mark.parametrize("fraction", [0.5, 1.0 + 2.0**-23, 2.0**-149])
+def test_a_fractional_mask_is_refused_by_every_function_that_takes_one(call, fraction):
+    """A 0/1 mask holding a fraction (0.5, one float32 ulp above 1, the smallest subnormal) is
+    a ValueError naming the mask argument; the same call with the fraction rounded to 1 runs."""
+    name = call.rsplit(" ", 1)[1]
+    mask = torch.ones(2, 3)
+    _mask_calls(mask)[call]()
+    mask[1, 2] = fraction
+    with pytest.raises(ValueError, match=rf"^{name} must hold only 0 and 1"):
+        _mask_calls(mask)[call]()
