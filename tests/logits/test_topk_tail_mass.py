@@ -140,7 +140,7 @@ def test_k_equal_to_v_with_a_mass_below_one_has_no_tail(estimator, direction):
 def test_reported_teacher_mass_is_a_mass(case):
     """details.teacher_mass is R read as a mass: in [0, 1], 1 where the stored log-probs sum
     to 1 or (by rounding) more."""
-    top_list, tail_logp = CASES[case]
+    top_list, _tail_logp = CASES[case]
     z = _student(3)
     top = torch.tensor(top_list, dtype=torch.float64).expand(3, 2)
     idx = torch.tensor([0, 1]).expand(3, 2)
@@ -151,3 +151,46 @@ def test_reported_teacher_mass_is_a_mass(case):
     assert_close_to_rounding(
         details.teacher_mass, torch.full((3,), min(mass, 1.0), dtype=torch.float64), ulps=4
     )
+
+
+@pytest.mark.parametrize("direction", DIRECTIONS)
+def test_unbiased_cv_is_never_below_the_tail_bucket_bound(direction):
+    """Per position and per sampled token (every token of the vocabulary in turn, in S or
+    not), unbiased-cv = tail-bucket + a k3 term >= 0."""
+    g = torch.Generator().manual_seed(6)
+    v, k = 9, 3
+    z = 2 * torch.randn(v, generator=g, dtype=torch.float64)
+    teacher = (2 * torch.randn(v, generator=g, dtype=torch.float64)).log_softmax(-1)
+    top, idx = teacher.topk(k)
+    kw = {"labels": torch.arange(v), "logp_ref_label": teacher, "direction": direction}
+    zs, idxs, tops = z.expand(v, v), idx.expand(v, k), top.expand(v, k)
+    cv = kl_from_topk(zs, idxs, tops, estimator="unbiased-cv", reduction="none", **kw)
+    bound = kl_from_topk(zs, idxs, tops, estimator="tail-bucket", reduction="none", **kw)
+    assert (cv >= bound).all()
+    assert (cv > bound).sum() >= v - k - 1  # strictly above where y is outside S (u != 1)
+
+
+def test_a_position_with_an_infinite_value_passes_no_gradient():
+    """KL(ref||pi) with a top-k token the student cannot produce is +inf at that position: its
+    gradient is 0 there (and finite, nonzero, at the other positions)."""
+    z = _student(5, rows=2, seed=7)
+    z[0, 1] = -math.inf
+    z = z.requires_grad_(True)
+    teacher = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05], dtype=torch.float64).log().expand(2, 5)
+    idx = torch.tensor([0, 1]).expand(2, 2)
+    for estimator in ("tail-bucket", "truncated-raw", "unbiased", "unbiased-cv"):
+        got = _per_position(
+            z, idx, teacher[:, :2], torch.tensor([0, 3]), teacher[:, 0], estimator, "ref||pi"
+        )
+        assert math.isinf(float(got[0].detach())) and math.isfinite(float(got[1].detach()))
+        (grad,) = torch.autograd.grad(got.sum(), z)
+        assert torch.count_nonzero(grad[0]) == 0, estimator
+        assert torch.isfinite(grad[1]).all() and torch.count_nonzero(grad[1]) > 0, estimator
+
+
+def test_details_without_labels_have_no_in_set():
+    z = _student(4, rows=2)
+    idx = torch.tensor([0, 1]).expand(2, 2)
+    top = torch.tensor([0.4, 0.3], dtype=torch.float64).log().expand(2, 2)
+    _, details = kl_from_topk(z, idx, top, estimator="tail-bucket", return_details=True)
+    assert details.in_set is None
