@@ -194,3 +194,19 @@ def test_details_without_labels_have_no_in_set():
     top = torch.tensor([0.4, 0.3], dtype=torch.float64).log().expand(2, 2)
     _, details = kl_from_topk(z, idx, top, estimator="tail-bucket", return_details=True)
     assert details.in_set is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_top_k_mass_above_one_by_more_than_rounding_is_refused(dtype):
+    """The teacher's top-k probabilities sum to at most 1 up to rounding: 1 + 1e-3 is refused
+    by name; a sum above 1 by a few roundings (1 + 8 eps) is not."""
+    z = torch.zeros(2, 5, dtype=dtype)
+    idx = torch.tensor([0, 1]).expand(2, 2)
+    eps = torch.finfo(dtype).eps
+    for excess, refused in ((1e-3, True), (8 * eps, False)):
+        top = torch.tensor([math.log(0.5 * (1 + excess))] * 2, dtype=dtype).expand(2, 2)
+        if refused:
+            with pytest.raises(ValueError, match=r"^topk_logp: the teacher's top-k probabilities"):
+                kl_from_topk(z, idx, top, estimator="tail-bucket")
+        else:
+            kl_from_topk(z, idx, top, estimator="tail-bucket")

@@ -130,3 +130,38 @@ def test_moving_average_scale_stays_in_the_unit_interval(per_position):
     assert torch.equal(fit.scales(1), torch.zeros(1, dtype=torch.float64))
     after = fit(_col(3.0, 1.0, 2.0, 5.0), torch.ones(4, 1, dtype=torch.bool), four)
     assert torch.equal(after, torch.zeros(4, 1, dtype=torch.float64))
+
+
+def test_moving_average_scale_skips_a_position_without_a_mate_and_drops_a_negligible_one():
+    """Per position, decay 0 (the last batch that counts decides), scales written out by the
+    regression of each row's target on its leave-one-out mean. Batch 2 has a mate at the first
+    token only (one row reaches the second): the second position's scale stays batch 1's.
+    Batch 3: the second position's targets are 1e-9 against the first's 1, its sum of squared
+    leave-one-out means below 1e-12 of the first's: scale 0 there."""
+    keys = torch.zeros(4, dtype=torch.int64)
+    fit = LooScaleEMA(decay=0.0)
+    full = torch.ones(4, 2, dtype=torch.bool)
+    a = torch.tensor([[1.5, 2.0], [1.5, 2.0], [0.5, 2.0], [1.5, 2.0]], dtype=torch.float64)
+    fit(a, full, keys)
+
+    def scale(x, valid, t):
+        """sum A B / sum B^2 over the rows with a mate at column t (B: the others' mean)."""
+        rows = [i for i in range(4) if valid[i, t]]
+        num = den = 0.0
+        for i in rows:
+            others = [float(x[j, t]) for j in rows if j != i]
+            if others:
+                b = sum(others) / len(others)
+                num, den = num + float(x[i, t]) * b, den + b * b
+        return min(max(num / den, 0.0), 1.0)
+
+    first = [scale(a, full, 0), scale(a, full, 1)]
+    assert_close_to_rounding(fit.scales(2), torch.tensor(first, dtype=torch.float64), ulps=8)
+    one_long = torch.tensor([[True, True], [True, False], [True, False], [True, False]])
+    b = torch.tensor([[2.0, 9.0], [1.0, 0.0], [3.0, 0.0], [2.5, 0.0]], dtype=torch.float64)
+    fit(b, one_long, keys)
+    second = [scale(b, one_long, 0), first[1]]
+    assert_close_to_rounding(fit.scales(2), torch.tensor(second, dtype=torch.float64), ulps=8)
+    c = torch.tensor([[1.0, 1e-9], [1.0, 1e-9], [1.0, 1e-9], [1.0, 1e-9]], dtype=torch.float64)
+    fit(c, full, keys)
+    assert float(fit.scales(2)[1]) == 0.0 and float(fit.scales(2)[0]) == 1.0
