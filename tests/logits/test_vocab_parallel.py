@@ -85,6 +85,34 @@ def _run_all(z, y, labels, mask, kl_fn):
     return results
 
 
+def _collectives(z, y, labels, kl_fn):
+    """The collectives of one call and its backward, as ``(phase, name, op, shape)``."""
+    seen = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+    phase = ["forward"]
+
+    def recording(name):
+        def call(tensor_or_list, *args, **kwargs):
+            t = args[0] if name == "all_gather" else tensor_or_list
+            op = str(kwargs.get("op", "")).rsplit(".", 1)[-1] if name == "all_reduce" else ""
+            seen.append((phase[0], name, op, tuple(t.shape)))
+            return originals[name](tensor_or_list, *args, **kwargs)
+
+        return call
+
+    try:
+        for name in originals:
+            setattr(dist, name, recording(name))
+        zz = z.clone().requires_grad_()
+        kl = kl_fn(zz, y, labels=labels, reduction="sum")
+        phase[0] = "backward"
+        kl.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return seen
+
+
 def _worker(rank, world, store_path, sizes, dtype, backend, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -114,6 +142,7 @@ def _worker(rank, world, store_path, sizes, dtype, backend, out_path):
             except ValueError as e:
                 errors[name] = str(e)
         result["errors"] = errors
+        result["collectives"] = _collectives(z[..., shard], y[..., shard], labels, kl_fn)
     except Exception:  # reported to the parent, which fails the test with it
         result = {"traceback": traceback.format_exc()}
     torch.save(result, f"{out_path}.{rank}")
@@ -170,6 +199,14 @@ def test_vocab_parallel_equals_single_process(tmp_path, sizes, dtype, backend):
                 scale = float(e.abs().max())  # the whole row's, not only the shard's
                 assert_close_to_rounding(a, e_shard, ulps=2 * GRAD_ULPS, scale=scale, what=what)
         assert "add up to V" in (got["errors"]["vocab_size"] or ""), got["errors"]
+        # The module's count: a gather of the shard sizes, a MAX of [2, N] and a SUM of [7, N]
+        # floats in the forward; none in the backward.
+        n = math.prod(N_LEAD)
+        assert got["collectives"] == [
+            ("forward", "all_gather", "", (2,)),
+            ("forward", "all_reduce", "MAX", (2, n)),
+            ("forward", "all_reduce", "SUM", (7, n)),
+        ], got["collectives"]
         assert "same positions" in (got["errors"]["rows"] or ""), got["errors"]
 
 
