@@ -271,12 +271,20 @@ def check_decay(decay: object) -> float:
     return float(decay)
 
 
+# The smallest temperature whose reciprocal, the factor on the logits, is finite in float32 (the
+# lowest compute dtype): below it even zero logits would scale to 0 * inf = NaN.
+_MIN_TEMPERATURE = 1.0 / torch.finfo(torch.float32).max
+
+
 def check_temperature(temperature: object) -> float:
-    """A finite temperature ``> 0``, as a float."""
+    """A finite temperature ``> 0`` (at least ``1 / float32 max``), as a float."""
     if isinstance(temperature, bool) or not isinstance(temperature, int | float):
         raise TypeError(f"temperature must be a float, got {type(temperature).__name__}")
-    if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature!r}")
+    if not (math.isfinite(temperature) and temperature >= _MIN_TEMPERATURE):
+        raise ValueError(
+            f"temperature must be finite and > 0 (at least 1 / float32's largest value, "
+            f"{_MIN_TEMPERATURE:.4g}), got {temperature!r}"
+        )
     return float(temperature)
 
 
@@ -447,11 +455,14 @@ def check_log_probs(
         return not ((hi < math.inf if tol == math.inf else hi <= tol) and lo > -math.inf)
 
     def message() -> str:
+        # The message re-finds the failure with failed()'s own comparisons: against tol in
+        # float64 (every float dtype's values are float64 values), not in x's dtype, where
+        # tol rounds (float32(1e-3) > 1e-3 fails the check but not x > tol in float32).
         k = torch.ones_like(x, dtype=torch.bool)
         for flags, what in ((torch.isnan(x) & k, "NaN"), ((x == math.inf) & k, "+inf")):
             if bool(flags.any()):
                 return f"{name} contains {what} at {first_bad(flags)}"
-        above = (x > tol) & k
+        above = (x.to(torch.float64) > tol) & k
         if bool(above.any()):
             hint = " (Log-densities of continuous samples may exceed 0: pass density=True.)"
             return (

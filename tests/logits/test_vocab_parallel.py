@@ -32,13 +32,21 @@ GRAD_ULPS = 32
 Measured: at most 10 for the two paths together."""
 
 
-def _case_inputs(v: int, dtype: torch.dtype):
+def _case_inputs(sizes: list[int], dtype: torch.dtype):
+    """Logits over ``V = sum(sizes)`` columns; labels on the shard boundaries: the last
+    column of shard 0 and the first of shard 1 at positions (0, 0), (0, 1), the first and the
+    last of the vocabulary at (1, 0), (1, 1) with two shards, or shard 1's last column and
+    shard 2's first with three (which shard owns a label is decided right there)."""
+    v = sum(sizes)
     g = torch.Generator().manual_seed(0)
     z = (torch.randn((*N_LEAD, v), generator=g, dtype=torch.float64) * 2).to(dtype)
     y = (torch.randn((*N_LEAD, v), generator=g, dtype=torch.float64) * 2).to(dtype)
     z[0, 1, :3] = -math.inf  # a masked-vocabulary row: rank 0 of [2, 5, 4] holds only -inf
     y[0, 1, :3] = -math.inf
     labels = torch.randint(0, v, N_LEAD, generator=g)
+    ends = [sum(sizes[: r + 1]) for r in range(len(sizes))]  # each shard's first column after
+    labels[0, :2] = torch.tensor([ends[0] - 1, ends[0]]) if len(sizes) > 1 else labels[0, :2]
+    labels[1, :2] = torch.tensor([ends[1] - 1, ends[1]] if len(sizes) > 2 else [0, v - 1])
     labels[1, 2] = -100
     mask = torch.tensor([[True, True, False], [True, True, True]])
     return z, y, labels, mask
@@ -77,11 +85,39 @@ def _run_all(z, y, labels, mask, kl_fn):
     return results
 
 
+def _collectives(z, y, labels, kl_fn):
+    """The collectives of one call and its backward, as ``(phase, name, op, shape)``."""
+    seen = []
+    originals = {name: getattr(dist, name) for name in ("all_reduce", "all_gather")}
+    phase = ["forward"]
+
+    def recording(name):
+        def call(tensor_or_list, *args, **kwargs):
+            t = args[0] if name == "all_gather" else tensor_or_list
+            op = str(kwargs.get("op", "")).rsplit(".", 1)[-1] if name == "all_reduce" else ""
+            seen.append((phase[0], name, op, tuple(t.shape)))
+            return originals[name](tensor_or_list, *args, **kwargs)
+
+        return call
+
+    try:
+        for name in originals:
+            setattr(dist, name, recording(name))
+        zz = z.clone().requires_grad_()
+        kl = kl_fn(zz, y, labels=labels, reduction="sum")
+        phase[0] = "backward"
+        kl.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
+    return seen
+
+
 def _worker(rank, world, store_path, sizes, dtype, backend, out_path):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
     try:
-        z, y, labels, mask = _case_inputs(sum(sizes), dtype)
+        z, y, labels, mask = _case_inputs(sizes, dtype)
         lo = sum(sizes[:rank])
         shard = slice(lo, lo + sizes[rank])
 
@@ -106,6 +142,7 @@ def _worker(rank, world, store_path, sizes, dtype, backend, out_path):
             except ValueError as e:
                 errors[name] = str(e)
         result["errors"] = errors
+        result["collectives"] = _collectives(z[..., shard], y[..., shard], labels, kl_fn)
     except Exception:  # reported to the parent, which fails the test with it
         result = {"traceback": traceback.format_exc()}
     torch.save(result, f"{out_path}.{rank}")
@@ -137,7 +174,7 @@ def test_vocab_parallel_equals_single_process(tmp_path, sizes, dtype, backend):
         args=(world, str(tmp_path / "store"), sizes, dtype, backend, str(tmp_path / "out")),
         nprocs=world,
     )
-    z, y, labels, mask = _case_inputs(sum(sizes), dtype)
+    z, y, labels, mask = _case_inputs(sizes, dtype)
     expected = _run_all(z, y, labels, mask, klest.kl_from_logits)
     rows = logit_scale(z, y, temperature=0.7)  # the smaller temperature of _run_all's
     sums = N_LEAD[-1] * float(rows.max())  # a mean of rows' sums over positions
@@ -162,6 +199,14 @@ def test_vocab_parallel_equals_single_process(tmp_path, sizes, dtype, backend):
                 scale = float(e.abs().max())  # the whole row's, not only the shard's
                 assert_close_to_rounding(a, e_shard, ulps=2 * GRAD_ULPS, scale=scale, what=what)
         assert "add up to V" in (got["errors"]["vocab_size"] or ""), got["errors"]
+        # The module's count: a gather of the shard sizes, a MAX of [2, N] and a SUM of [7, N]
+        # floats in the forward; none in the backward.
+        n = math.prod(N_LEAD)
+        assert got["collectives"] == [
+            ("forward", "all_gather", "", (2,)),
+            ("forward", "all_reduce", "MAX", (2, n)),
+            ("forward", "all_reduce", "SUM", (7, n)),
+        ], got["collectives"]
         assert "same positions" in (got["errors"]["rows"] or ""), got["errors"]
 
 
@@ -174,7 +219,7 @@ def _nccl_worker(rank, store_path, out_path):
     dist.init_process_group("nccl", init_method=f"file://{store_path}", rank=0, world_size=1)
     try:
         torch.cuda.set_device(0)
-        z, y, labels, mask = (t.cuda() for t in _case_inputs(11, torch.float32))
+        z, y, labels, mask = (t.cuda() for t in _case_inputs([11], torch.float32))
 
         def kl_fn(zz, yy, **kw):
             return klest.kl_from_logits_vocab_parallel(zz, yy, vocab_size=11, **kw)
@@ -196,7 +241,7 @@ def test_nccl_single_rank_runs_the_same_collectives(tmp_path):
     mp.spawn(_nccl_worker, args=(str(tmp_path / "store"), str(tmp_path / "out")), nprocs=1)
     got = torch.load(tmp_path / "out")
     assert "traceback" not in got, got.get("traceback")
-    z, y, labels, mask = (t.cuda() for t in _case_inputs(11, torch.float32))
+    z, y, labels, mask = (t.cuda() for t in _case_inputs([11], torch.float32))
     expected = _run_all(z, y, labels, mask, klest.kl_from_logits)
     rows = logit_scale(z, y, temperature=0.7)
     for g_case, e_case in zip(got["ok"], expected, strict=True):

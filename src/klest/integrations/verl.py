@@ -55,7 +55,15 @@ from typing import Literal, cast
 import torch
 from torch import Tensor
 
-from klest._checks import ArgumentNames, check_choice, check_positive_int
+from klest._checks import (
+    ArgumentNames,
+    ValueChecks,
+    check_choice,
+    check_float_tensor,
+    check_mask,
+    check_positive_int,
+    resolve_validate,
+)
 from klest._numerics import exp_tail
 from klest._types import Baseline, Reduction
 from klest.aggregation import GlobalCounts, aggregate
@@ -383,6 +391,13 @@ def agg_loss(
     check_choice("loss_agg_mode", loss_agg_mode, LossAggMode)
     dp = check_positive_int("dp_size", dp_size, allow_none=False)
     scale = check_positive_int("loss_scale_factor", loss_scale_factor)
+    # The mask is checked here, by its verl name (aggregate would call it "mask").
+    check_float_tensor("loss_mat", loss_mat, what="per-token losses")
+    checks = ValueChecks(resolve_validate(validate))
+    loss_mask = check_mask(
+        loss_mask, loss_mat.shape, loss_mat.device, checks, of="the losses", name="loss_mask"
+    )
+    checks.run()
     if loss_agg_mode == "token-sum":
         return aggregate(loss_mat, mask=loss_mask, reduction="sum", validate=validate) * dp
     token_level = loss_agg_mode == "token-mean"
