@@ -78,8 +78,9 @@ def test_trust_region_estimates_read_the_rollout_sample():
 def test_trust_region_section_tables():
     """The exact tables: the unbiased estimates' mean is the full divergence and their mean
     gradient its gradient (to rounding); binary <= top-k < full, both KLs and the TV; every mean
-    gradient of a biased estimate is measurably off the full divergence's. The Monte Carlo table:
-    k3 within z of the KL, the binary KL far below it (z: Bonferroni at RATE over the 4
+    gradient of a biased estimate is measurably off the full divergence's; the token sums of k3
+    over sequences are the sequence KL(rollout||pi), binary <= top-k below it. The Monte Carlo
+    table: k3 within z of the KL, the binary KL far below it (z: Bonferroni at RATE over the 4
     comparisons)."""
     text = trust_region_audit_section(quick=True)
     z = z_for(RATE, 4)
@@ -96,6 +97,15 @@ def test_trust_region_section_tables():
         binary, topk = exact[f"binary-{kind}"], exact[f"topk-{kind}"]
         assert binary[1] <= topk[1] < topk[0], kind
         assert binary[-1] > 1e-2 and topk[-1] > 1e-2, kind
+    seq = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        if len(cells) == 6 and cells[0].endswith("(rollout||pi)"):
+            seq[cells[0].split()[0]] = [float(c) for c in cells[1:]]
+    assert len(seq) == 4
+    kl, mean, _, _, dist = seq["k3"]
+    assert mean == pytest.approx(kl, rel=1e-4) and dist < 1e-10
+    assert seq["binary-kl"][1] <= seq["topk-kl"][1] < kl
     mc = {}
     for line in text.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split(" | ")]

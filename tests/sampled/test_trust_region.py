@@ -164,6 +164,7 @@ def test_expected_gradients_are_those_of_their_own_means():
     - binary TV: sum_y mu_y sign(pi_y - mu_y) pi_y (e_y - pi); not the TV's gradient
       (1/2) sum_y sign(pi_y - mu_y) pi_y (e_y - pi) (relative distance > 0.1 here);
     - binary KL(rollout||pi): sum_y mu_y (pi_y - mu_y) / (1 - pi_y) (e_y - pi);
+    - binary KL(pi||rollout): sum_y mu_y (log(pi_y/mu_y) - log((1-pi_y)/(1-mu_y))) pi_y (e_y - pi);
     - tau (log r)^2: 2 tau sum_y mu_y log(pi_y/mu_y) (e_y - pi);
     - squared_prob_shift: 2 sum_y (pi_y - mu_y) pi_y (e_y - pi), the gradient of sum (pi - mu)^2;
     - klest.k3 with the rollout as the sampler: pi - mu, the gradient of the full KL(rollout||pi).
@@ -193,6 +194,10 @@ def test_expected_gradients_are_those_of_their_own_means():
             klest.squared_prob_shift(lp, lq, reduction="none"),
             closed(2 * (pi - mu)),
         ),
+        "binary_kl_pi_first": (
+            klest.binary_kl(lp, lq, direction="pi||rollout", reduction="none"),
+            closed(mu * ((lp.detach() - lq) - torch.log((1 - pi) / (1 - mu)))),
+        ),
         "k3_swapped": (klest.k3(lq, lp, reduction="none"), (pi - mu, 1.0)),
     }
     for name, (values, (want, scale)) in cases.items():
@@ -201,6 +206,115 @@ def test_expected_gradients_are_those_of_their_own_means():
     tv_grad = 0.5 * sign @ jac
     binary_tv_grad = _expected_gradient(cases["binary_tv"][0], lq, z)
     assert float((binary_tv_grad - tv_grad).norm() / tv_grad.norm()) > 0.1
+
+
+def test_topk_expected_gradients_are_those_of_the_partition_divergences():
+    """Enumerating the token under the rollout, the mean gradient (w.r.t. pi's logits) of
+    topk_tv and of topk_kl in both directions is the gradient of sum_y mu_y D_S(y)(pi, mu), D
+    the partition formula written out (_partition_reference, autodiff through pi = softmax(z));
+    pi's top-k log-probs gathered from ``logits`` with ``labels``, and given as ``topk_logp``
+    over ids that hold the sampled token. Not the full divergence's gradient (distance > 1e-3).
+    Tolerance: 256 float64 ulps of 1 (each mean gradient is a sum over 9 tokens of up to k + 2
+    terms of order 1, each a few roundings)."""
+    z, zr = _pair(9, shift=0.8, seed=6)
+    z = z.clone().requires_grad_()
+    lp, lq = _all_tokens(z, zr)
+    p, q = lp.exp(), lq.exp()
+    k = 3
+    top, ids = lq.topk(k)
+    n = z.numel()
+    labels = torch.arange(n)
+    got_args = {"logits": z.expand(n, -1), "topk_ids": ids.expand(n, -1), "labels": labels}
+    refs = [_partition_reference(p, q, sorted(set(ids.tolist()) | {y})) for y in range(n)]
+    # The stored form: the sampled token in the last of the k slots when not among the top k.
+    stored = torch.stack(
+        [ids if y in ids else torch.cat([ids[:-1], ids.new_tensor([y])]) for y in range(n)]
+    )
+    stored_refs = [_partition_reference(p, q, sorted(stored[y].tolist())) for y in range(n)]
+    full = {
+        "tv": 0.5 * (p - q).abs().sum(),
+        "rollout||pi": (q * (lq - lp)).sum(),
+        "pi||rollout": (p * (lp - lq)).sum(),
+    }
+    for i, (name, direction) in enumerate(
+        (("tv", None), ("kl", "rollout||pi"), ("kl", "pi||rollout"))
+    ):
+        fn = klest.topk_tv if name == "tv" else klest.topk_kl
+        kw = {} if direction is None else {"direction": direction}
+        want = _expected_gradient(torch.stack([r[i] for r in refs]), lq, z)
+        got = _expected_gradient(
+            fn(lp, lq, top.expand(n, -1), reduction="none", **got_args, **kw), lq, z
+        )
+        assert_close_to_rounding(got, want, ulps=256, scale=1.0, what=f"{name} {direction}")
+        want_s = _expected_gradient(torch.stack([r[i] for r in stored_refs]), lq, z)
+        got_s = _expected_gradient(
+            fn(lp, lq, lq[stored], topk_logp=lp[stored], reduction="none", **kw), lq, z
+        )
+        assert_close_to_rounding(got_s, want_s, ulps=256, scale=1.0, what=f"stored {name}")
+        (full_grad,) = torch.autograd.grad(full[direction or "tv"], z, retain_graph=True)
+        assert float((got - full_grad).norm() / full_grad.norm()) > 1e-3
+
+
+def test_sequence_sums_under_the_rollout():
+    """Sequences of a tabular autoregressive pair (V = 4, T = 3, eos; the testbed's ref is the
+    rollout), every sequence enumerated under the rollout, token values summed per sequence
+    (``reduction="per-sequence"``):
+
+    - k3 with the rollout as the sampler: mean and mean gradient are the sequence-level
+      KL(rollout||pi) and its gradient (the chain rule; the testbed's exact_kl("ref||pi"));
+    - for every sequence, binary KL <= top-1 KL <= the sum of the full per-position
+      KL(rollout_t||pi_t), written out from the next-token log-probs;
+    - binary KL's mean gradient is that of sum_seq mu(seq) sum_t KL(Bern(q_t)||Bern(p_t)),
+      written out.
+
+    Tolerances: 256 float64 ulps of 1 (sums over 40 sequences of terms of order 1); margin of the
+    bounds 1e-12 (float64 rounding of values of order 0.1)."""
+    base = klest.testbeds.TabularAutoregressive.random(4, 3, eos=3, seed=2, scale=1.5)
+    g = torch.Generator().manual_seed(3)
+    shifted = base.logits.detach() + 0.5 * torch.randn(base.logits.shape, generator=g, dtype=F64)
+    tb = klest.testbeds.TabularAutoregressive(
+        base.logits.detach().clone().requires_grad_(), shifted, horizon=3, eos=3
+    )
+    tokens, _ = tb.all_sequences()
+    s = tb.evaluate(tokens)
+    lp, lq, mask = s.logp, s.logp_ref, s.mask
+    weights = torch.where(mask, lq, 0.0).sum(-1).exp()
+    assert float(weights.sum()) == pytest.approx(1.0, abs=1e-12)
+
+    def mean_and_grad(per_seq):
+        mean = (weights * per_seq).sum()
+        (grad,) = torch.autograd.grad(mean, tb.logits, retain_graph=True)
+        return mean, grad
+
+    k3 = klest.k3(lq, lp, mask=mask, reduction="per-sequence")
+    exact = tb.exact_kl("ref||pi")
+    (exact_grad,) = torch.autograd.grad(exact, tb.logits, retain_graph=True)
+    mean, grad = mean_and_grad(k3)
+    assert_close_to_rounding(mean, exact, ulps=256, scale=1.0)
+    assert_close_to_rounding(grad, exact_grad, ulps=256, scale=1.0)
+
+    top, ids = s.logits_ref.detach().topk(1, dim=-1)
+    binary = klest.binary_kl(lp, lq, mask=mask, reduction="per-sequence")
+    topk = klest.topk_kl(
+        lp,
+        lq,
+        top,
+        logits=s.logits,
+        topk_ids=ids,
+        labels=tokens,
+        mask=mask,
+        reduction="per-sequence",
+    )
+    full_t = (s.logits_ref.exp() * (s.logits_ref - s.logits)).sum(-1)
+    full = torch.where(mask, full_t, 0.0).sum(-1)
+    assert (binary <= topk + 1e-12).all() and (topk <= full + 1e-12).all()
+    assert (binary < full - 1e-6).any()
+
+    p, q = lp.exp(), lq.exp()
+    bern = q * (lq - lp) + (1 - q) * torch.log((1 - q) / (1 - p))
+    _, want = mean_and_grad(torch.where(mask, bern, 0.0).sum(-1))
+    _, got = mean_and_grad(binary)
+    assert_close_to_rounding(got, want, ulps=256, scale=1.0)
 
 
 def test_float32_matches_float64_near_equal_policies():
