@@ -355,10 +355,13 @@ def test_limits_where_one_policy_is_certain():
 
 def test_masks_reductions_and_packed_sequences():
     """Masked positions (NaN there) get no value and no gradient; the reductions follow klest's
-    rule (per-sequence token sums, token mean); packed sequences give the padded result."""
+    rule (per-sequence token sums, token mean); packed sequences give the padded result; the same
+    for the top-k divergences. Tolerance: 8 float64 ulps (the same terms, summed in another
+    order)."""
     g = torch.Generator().manual_seed(0)
-    lp = torch.log_softmax(torch.randn(2, 4, 5, generator=g, dtype=F64), -1)[..., 0]
-    lq = torch.log_softmax(torch.randn(2, 4, 5, generator=g, dtype=F64), -1)[..., 0]
+    lsp = torch.log_softmax(torch.randn(2, 4, 5, generator=g, dtype=F64), -1)
+    lsq = torch.log_softmax(torch.randn(2, 4, 5, generator=g, dtype=F64), -1)
+    lp, lq = lsp[..., 0], lsq[..., 0]
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]], dtype=torch.bool)
     lp_nan = torch.where(mask, lp, math.nan).requires_grad_()
     per_token = klest.binary_kl(lp, lq, reduction="none") * mask
@@ -373,6 +376,19 @@ def test_masks_reductions_and_packed_sequences():
     for fn in (klest.binary_tv, klest.binary_kl, klest.squared_log_ratio, klest.squared_prob_shift):
         padded = fn(lp, lq, mask=mask)
         packed = fn(packed_p, packed_q, cu_seqlens=cu)
+        assert_close_to_rounding(packed, padded, ulps=8, what=fn.__name__)
+    # Top-k: pi's top-k log-probs NaN where masked get no gradient; packed gives the padded result.
+    top, ids = lsq.topk(2, dim=-1)
+    top_p = lsp.gather(-1, ids)
+    top_p_nan = torch.where(mask[..., None], top_p, math.nan).requires_grad_()
+    per_token = klest.topk_kl(lp, lq, top, topk_logp=top_p, reduction="none") * mask
+    got = klest.topk_kl(lp_nan, lq, top, topk_logp=top_p_nan, mask=mask, reduction="per-sequence")
+    assert_close_to_rounding(got, per_token.sum(-1), ulps=8)
+    got.sum().backward()
+    assert torch.isfinite(top_p_nan.grad).all() and (top_p_nan.grad[~mask] == 0).all()
+    for fn in (klest.topk_tv, klest.topk_kl):
+        padded = fn(lp, lq, top, topk_logp=top_p, mask=mask)
+        packed = fn(packed_p, packed_q, top[mask], topk_logp=top_p[mask], cu_seqlens=cu)
         assert_close_to_rounding(packed, padded, ulps=8, what=fn.__name__)
 
 
