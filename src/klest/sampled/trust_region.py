@@ -222,6 +222,29 @@ def _prepare(
     return _Pair(lp, lq, keep, layout)
 
 
+def _start(
+    logp: Tensor,
+    logp_rollout: Tensor,
+    mask: Tensor | None,
+    validate: bool | None,
+    reduction: str | None = None,
+    counts: GlobalCounts | None = None,
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+) -> tuple[_Pair, ValueChecks]:
+    """What every public function starts with: the reduction's name, the inputs, the counts
+    (with a ``reduction``), the value checks queued."""
+    if reduction is not None:
+        check_choice("reduction", reduction, Reduction)
+    checks = ValueChecks(resolve_validate(validate))
+    pair = _prepare(
+        logp, logp_rollout, mask=mask, checks=checks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+    )
+    if reduction is not None:
+        check_counts(counts, reduction)
+    return pair, checks
+
+
 @dataclass(frozen=True)
 class _Members:
     """The tokens a top-k divergence keeps apart, per position, as ``[..., m]`` log-probs of the
@@ -504,12 +527,9 @@ def binary_tv(
       >>> binary_tv(logp, logp_rollout, reduction="none")  # |e^-0.1 - e^-0.3|, |e^-2 - e^-2.5|
       tensor([[0.1640, 0.0533]])
     """
-    check_choice("reduction", reduction, Reduction)
-    checks = ValueChecks(resolve_validate(validate))
-    pair = _prepare(
-        logp, logp_rollout, mask=mask, checks=checks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+    pair, checks = _start(
+        logp, logp_rollout, mask, validate, reduction, counts, cu_seqlens, max_seqlen
     )
-    check_counts(counts, reduction)
     return pair.finish(_binary_tv_values(pair), reduction, counts, checks, return_details)
 
 
@@ -570,12 +590,9 @@ def binary_kl(
       True
     """
     check_choice("direction", direction, SamplerDirection)
-    check_choice("reduction", reduction, Reduction)
-    checks = ValueChecks(resolve_validate(validate))
-    pair = _prepare(
-        logp, logp_rollout, mask=mask, checks=checks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+    pair, checks = _start(
+        logp, logp_rollout, mask, validate, reduction, counts, cu_seqlens, max_seqlen
     )
-    check_counts(counts, reduction)
     values = _binary_kl_values(pair, direction)
     return pair.finish(values, reduction, counts, checks, return_details)
 
@@ -757,12 +774,9 @@ def _topk_call(
     validate: bool | None,
     return_details: bool,
 ) -> Tensor | WithDetails[TrustRegionDetails]:
-    check_choice("reduction", reduction, Reduction)
-    checks = ValueChecks(resolve_validate(validate))
-    pair = _prepare(
-        logp, logp_rollout, mask=mask, checks=checks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+    pair, checks = _start(
+        logp, logp_rollout, mask, validate, reduction, counts, cu_seqlens, max_seqlen
     )
-    check_counts(counts, reduction)
     members = _topk_members(
         pair,
         topk_logp_rollout,
@@ -832,12 +846,9 @@ def squared_log_ratio(
       tensor([0.1250, 0.5000])
     """
     tau = _non_negative("tau", tau)
-    check_choice("reduction", reduction, Reduction)
-    checks = ValueChecks(resolve_validate(validate))
-    pair = _prepare(
-        logp, logp_rollout, mask=mask, checks=checks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+    pair, checks = _start(
+        logp, logp_rollout, mask, validate, reduction, counts, cu_seqlens, max_seqlen
     )
-    check_counts(counts, reduction)
     values = tau * (pair.lp - pair.lq) ** 2
     return pair.finish(values, reduction, counts, checks, return_details)
 
@@ -892,12 +903,9 @@ def squared_prob_shift(
       ...                    reduction="none")  # (0.5 - 0.25)^2 / 0.25
       tensor([0.2500])
     """
-    check_choice("reduction", reduction, Reduction)
-    checks = ValueChecks(resolve_validate(validate))
-    pair = _prepare(
-        logp, logp_rollout, mask=mask, checks=checks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen
+    pair, checks = _start(
+        logp, logp_rollout, mask, validate, reduction, counts, cu_seqlens, max_seqlen
     )
-    check_counts(counts, reduction)
     d = _diff(pair.lq, pair.lp)
     values = d * d / pair.lq.exp()
     return pair.finish(values, reduction, counts, checks, return_details)
@@ -922,6 +930,27 @@ def _keep(pair: _Pair, inside: Tensor, checks: ValueChecks) -> Tensor:
     checks.run()
     inside = inside.detach()
     return inside if pair.keep is None else inside & pair.keep
+
+
+def _interval_mask(
+    logp: Tensor,
+    logp_rollout: Tensor,
+    low: float,
+    high: float,
+    mask: Tensor | None,
+    validate: bool | None,
+    *,
+    ratio: bool,
+) -> Tensor:
+    """True where the ratio pi / rollout (or its log) lies in ``[low, high]``."""
+    if low > high:
+        raise ValueError(f"low must be at most high, got low={low} > high={high}")
+    pair, checks = _start(logp, logp_rollout, mask, validate)
+    with torch.no_grad():
+        x = pair.lp - pair.lq
+        x = torch.exp(x) if ratio else x
+        inside = (x >= low) & (x <= high)
+    return _keep(pair, inside, checks)
 
 
 def dppo_mask(
@@ -995,8 +1024,7 @@ def dppo_mask(
     delta_low = delta if delta_low is None else _non_negative("delta_low", delta_low)
     check_choice("divergence", divergence, SamplerDivergence)
     check_choice("direction", direction, SamplerDirection)
-    checks = ValueChecks(resolve_validate(validate))
-    pair = _prepare(logp, logp_rollout, mask=mask, checks=checks)
+    pair, checks = _start(logp, logp_rollout, mask, validate)
     adv = _check_advantages(advantages, pair, checks)
     topk_args = (topk_logp_rollout, topk_logp, logits, topk_ids, labels)
     with torch.no_grad():
@@ -1093,14 +1121,7 @@ def icepop_mask(
     """
     high = _positive("high", high)
     low = 1.0 / high if low is None else _positive("low", low)
-    if low > high:
-        raise ValueError(f"low must be at most high, got low={low} > high={high}")
-    checks = ValueChecks(resolve_validate(validate))
-    pair = _prepare(logp, logp_rollout, mask=mask, checks=checks)
-    with torch.no_grad():
-        ratio = torch.exp(pair.lp - pair.lq)
-        inside = (ratio >= low) & (ratio <= high)
-    return _keep(pair, inside, checks)
+    return _interval_mask(logp, logp_rollout, low, high, mask, validate, ratio=True)
 
 
 def log_ratio_mask(
@@ -1148,14 +1169,7 @@ def log_ratio_mask(
     for name, x in (("low", low), ("high", high)):
         if isinstance(x, bool) or not isinstance(x, int | float) or math.isnan(x):
             raise ValueError(f"{name} must be a number, got {x!r}")
-    if low > high:
-        raise ValueError(f"low must be at most high, got low={low} > high={high}")
-    checks = ValueChecks(resolve_validate(validate))
-    pair = _prepare(logp, logp_rollout, mask=mask, checks=checks)
-    with torch.no_grad():
-        log_ratio = pair.lp - pair.lq
-        inside = (log_ratio >= low) & (log_ratio <= high)
-    return _keep(pair, inside, checks)
+    return _interval_mask(logp, logp_rollout, low, high, mask, validate, ratio=False)
 
 
 def kpop_mask(
@@ -1199,8 +1213,7 @@ def kpop_mask(
       tensor([ True, False])
     """
     phi = _non_negative("phi", phi)
-    checks = ValueChecks(resolve_validate(validate))
-    pair = _prepare(logp, logp_rollout, mask=mask, checks=checks)
+    pair, checks = _start(logp, logp_rollout, mask, validate)
     with torch.no_grad():
         inside = (_binary_kl_values(pair, "rollout||pi") <= phi) & (
             _binary_kl_values(pair, "pi||rollout") <= phi
