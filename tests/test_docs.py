@@ -171,7 +171,8 @@ def test_no_references_to_internal_documents() -> None:
 
 def test_literal_aliases_are_literals() -> None:
     """The option names documented as ``Literal`` aliases are ones (the API page says so)."""
-    for name in ("Direction", "Reduction", "Level", "Estimator", "Grad", "Baseline", "AlphaFit"):
+    names = ("Direction", "Reduction", "Level", "Estimator", "Grad", "Baseline", "AlphaFit")
+    for name in (*names, "SamplerDirection", "SamplerDivergence"):
         assert typing.get_origin(getattr(klest, name)) is typing.Literal, name
 
 

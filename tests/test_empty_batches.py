@@ -4,7 +4,8 @@ The README's trainer-batch rule ("a batch with no valid token gives 0 with a zer
 ``details.diagnostics.n_empty_rows`` counts them"), checked beyond :func:`klest.aggregate`
 (``tests/test_aggregation.py``): through each value estimator, each valid gradient estimator
 and baseline of :func:`klest.kl_penalty` (sampled tokens, with logits where the estimator needs
-them) and :func:`klest.kl_reward`. Deterministic: the answers are exact zeros, not estimates.
+them), :func:`klest.kl_reward` and the divergences to the rollout policy
+(:mod:`klest.sampled.trust_region`). Deterministic: the answers are exact zeros, not estimates.
 The exact-from-logits functions have their own empty-batch tests (``tests/logits``).
 """
 
@@ -120,3 +121,22 @@ def test_kl_reward_of_an_all_empty_batch_is_zero_everywhere(reward_to_go):
     _, _, logp, logp_ref, mask = _batch()
     rewards = klest.kl_reward(logp.detach(), logp_ref, mask=mask, reward_to_go=reward_to_go)
     assert rewards.shape == (B, T) and torch.equal(rewards, torch.zeros_like(rewards))
+
+
+@pytest.mark.parametrize("reduction", SCALAR_REDUCTIONS)
+@pytest.mark.parametrize(
+    "name",
+    ["binary_tv", "binary_kl", "topk_tv", "topk_kl", "squared_log_ratio", "squared_prob_shift"],
+)
+def test_rollout_divergences_of_an_all_empty_batch_are_zero_with_a_zero_gradient(name, reduction):
+    logits, logits_ref, logp, logp_ref, mask = _batch()
+    fn = getattr(klest, name)
+    options = {"mask": mask, "reduction": reduction, "return_details": True}
+    if name.startswith("topk"):
+        top, ids = torch.log_softmax(logits_ref, -1).topk(3, dim=-1)
+        options.update(topk_logp_rollout=top, logits=logits, topk_ids=ids)
+    value, details = fn(logp, logp_ref, **options)
+    assert details.diagnostics.n_empty_rows == B
+    _assert_zero_with_zero_gradient(value, logits)
+    keep = klest.dppo_mask(logp, logp_ref, torch.ones(B, dtype=logp.dtype), delta=0.1, mask=mask)
+    assert not keep.any()

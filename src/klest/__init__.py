@@ -67,6 +67,19 @@ from klest.sampled.rewards import kl_reward
 from klest.sampled.baselines import BaselineEMA
 from klest.sampled.baselines import LooScaleEMA
 from klest.surrogates import decouple
+from klest._types import SamplerDirection
+from klest._types import SamplerDivergence
+from klest.sampled.trust_region import TrustRegionDetails
+from klest.sampled.trust_region import binary_kl
+from klest.sampled.trust_region import binary_tv
+from klest.sampled.trust_region import dppo_mask
+from klest.sampled.trust_region import icepop_mask
+from klest.sampled.trust_region import kpop_mask
+from klest.sampled.trust_region import log_ratio_mask
+from klest.sampled.trust_region import squared_log_ratio
+from klest.sampled.trust_region import squared_prob_shift
+from klest.sampled.trust_region import topk_kl
+from klest.sampled.trust_region import topk_tv
 import klest.nn
 import klest.distributed  # noqa: F401 (public: klest.distributed.global_counts)
 
@@ -95,21 +108,28 @@ __all__ = [
     "PenaltyDetails",
     "PenaltyTargets",
     "Reduction",
+    "SamplerDirection",
+    "SamplerDivergence",
     "TopKDetails",
     "TopKEstimator",
+    "TrustRegionDetails",
     "ValueAudit",
     "WithDetails",
     "aggregate",
     "audit_grad",
     "audit_value",
+    "binary_kl",
+    "binary_tv",
     "categorical_kl",
     "cu_seqlens_from_position_ids",
     "cu_seqlens_from_sequence_ids",
     "cv",
     "decouple",
+    "dppo_mask",
     "f_divergence",
     "get_default_validate",
     "group_baselines",
+    "icepop_mask",
     "jsd_from_hidden",
     "jsd_from_logits",
     "k1",
@@ -123,11 +143,17 @@ __all__ = [
     "kl_from_topk",
     "kl_penalty",
     "kl_reward",
+    "kpop_mask",
+    "log_ratio_mask",
     "penalty_targets",
     "set_default_validate",
     "skew_kl_from_hidden",
     "skew_kl_from_logits",
+    "squared_log_ratio",
+    "squared_prob_shift",
     "token_log_probs",
+    "topk_kl",
+    "topk_tv",
     "tv_from_hidden",
     "tv_from_logits",
 ]

@@ -39,3 +39,12 @@ AlphaFit = Literal["loo", "crossfit", "in-sample"]
 
 Backend = Literal["auto", "torch", "triton"]
 """Where the exact-from-logits path computes: Triton kernels on CUDA, or chunked PyTorch."""
+
+SamplerDirection = Literal["rollout||pi", "pi||rollout"]
+"""Which divergence between the training policy pi and the rollout (sampler) policy, named by its
+arguments: ``KL(rollout||pi) = E_rollout[log rollout - log pi]`` (DPPO's) or ``KL(pi||rollout)``."""
+
+SamplerDivergence = Literal["binary-tv", "binary-kl", "topk-tv", "topk-kl"]
+"""The divergences between pi and the rollout policy that :func:`klest.dppo_mask` thresholds:
+over the partition {sampled token, the rest} (``binary-*``) or {top-k tokens, sampled token, the
+rest} (``topk-*``)."""

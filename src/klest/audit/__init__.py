@@ -4,7 +4,8 @@
   the estimator names they parse (:class:`EstimatorSpec`, :class:`GradSpec`) and the statistics
   behind them (:func:`gradient_draws`, :func:`mean_shift_z`).
 - :mod:`klest.audit.suite`: the library's audit plan, what ``klest audit`` prints
-  (:func:`run_audit_suite`), including the top-k distillation estimators.
+  (:func:`run_audit_suite`), including the top-k distillation estimators and the divergences
+  between a policy and its rollout policy.
 
 Every public name is exported here: ``klest.audit.audit_grad`` is
 ``klest.audit.core.audit_grad``.
@@ -29,10 +30,14 @@ from klest.audit.suite import GRAD_AUDIT_ONLY
 from klest.audit.suite import REPARAMETERIZED_GRAD_AUDIT
 from klest.audit.suite import SEQUENCE_VALUE_AUDIT
 from klest.audit.suite import TOPK_AUDIT
+from klest.audit.suite import TRUST_REGION_AUDIT
 from klest.audit.suite import VALUE_AUDIT
 from klest.audit.suite import run_audit_suite
+from klest.audit.suite import sampler_testbed
 from klest.audit.suite import topk_audit_section
 from klest.audit.suite import topk_estimate_fn
+from klest.audit.suite import trust_region_audit_section
+from klest.audit.suite import trust_region_estimate_fn
 
 __all__ = [
     "GRAD_AUDIT",
@@ -41,6 +46,7 @@ __all__ = [
     "REPARAMETERIZED_GRAD_AUDIT",
     "SEQUENCE_VALUE_AUDIT",
     "TOPK_AUDIT",
+    "TRUST_REGION_AUDIT",
     "VALUE_AUDIT",
     "EstimateFn",
     "EstimatorSpec",
@@ -54,6 +60,9 @@ __all__ = [
     "gradient_draws",
     "mean_shift_z",
     "run_audit_suite",
+    "sampler_testbed",
     "topk_audit_section",
     "topk_estimate_fn",
+    "trust_region_audit_section",
+    "trust_region_estimate_fn",
 ]

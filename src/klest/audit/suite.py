@@ -11,6 +11,13 @@ gradient are audited against the exact full KL and its exact gradient with
 :func:`~klest.audit.audit_value` and :func:`~klest.audit.audit_grad`: ``truncated`` and
 ``truncated-raw`` are biased (what peers compute), ``tail-bucket`` is biased low (a lower
 bound), ``unbiased`` and ``unbiased-cv`` are unbiased in value and gradient.
+
+The trust region at the sampler (:func:`trust_region_audit_section`): divergences between a
+policy and the rollout policy that sampled its tokens (:mod:`klest.sampled.trust_region`), on
+testbeds whose samples come from the rollout (:func:`sampler_testbed`). Enumerating the token
+(or the sequence) under the rollout gives each estimate's exact mean and mean gradient: DPPO's
+binary and top-k divergences are lower bounds of the full divergence, and their gradients those
+of their own means; ``half-abs-ratio`` and ``k3`` are unbiased in value and gradient.
 """
 
 from __future__ import annotations
@@ -22,7 +29,21 @@ from torch import Tensor
 
 from klest.audit.core import audit_grad, audit_value, format_grad_audits, format_value_audits
 from klest.logits.topk import kl_from_topk
-from klest.testbeds import CategoricalTestbed, GaussianTestbed, TabularAutoregressive
+from klest.sampled.estimators import f_divergence, kl_estimate
+from klest.sampled.trust_region import (
+    binary_kl,
+    binary_tv,
+    squared_log_ratio,
+    squared_prob_shift,
+    topk_kl,
+    topk_tv,
+)
+from klest.testbeds import (
+    CategoricalTestbed,
+    GaussianTestbed,
+    OffPolicyTestbed,
+    TabularAutoregressive,
+)
 from klest.testbeds.base import Sample
 
 __all__ = [
@@ -32,10 +53,14 @@ __all__ = [
     "REPARAMETERIZED_GRAD_AUDIT",
     "SEQUENCE_VALUE_AUDIT",
     "TOPK_AUDIT",
+    "TRUST_REGION_AUDIT",
     "VALUE_AUDIT",
     "run_audit_suite",
+    "sampler_testbed",
     "topk_audit_section",
     "topk_estimate_fn",
+    "trust_region_audit_section",
+    "trust_region_estimate_fn",
 ]
 
 VALUE_AUDIT = ("k1", "k2", "k3", "abs", "cv:0.5", "cv:loo", "cv:ema")
@@ -203,7 +228,8 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
     at the sequence level there), batches of 16; then the gradient estimators of ``GRAD_AUDIT``
     on a tabular autoregressive policy (V = 3, T = 4, with eos), batches of 8, and those of
     ``REPARAMETERIZED_GRAD_AUDIT`` on reparameterized samples of a 4-dimensional Gaussian; then
-    the top-k distillation estimators (:func:`topk_audit_section`).
+    the top-k distillation estimators (:func:`topk_audit_section`) and the divergences between
+    a policy and its rollout policy (:func:`trust_region_audit_section`).
 
     Args:
       quick: 200 value trials and 300 gradient trials instead of 2000 each.
@@ -287,4 +313,270 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
         )
         parts.append(format_grad_audits(grads) + "\n")
     parts.append(topk_audit_section(quick=quick, seed=seed, progress=progress))
+    parts.append(trust_region_audit_section(quick=quick, seed=seed, progress=progress))
+    return "".join(parts)
+
+
+# -- the trust region at the sampler ------------------------------------------------------------
+
+TRUST_REGION_AUDIT = (
+    "binary-tv",
+    "topk-tv",
+    "half-abs-ratio",
+    "binary-kl",
+    "topk-kl",
+    "k3",
+    "squared-log-ratio",
+    "squared-prob-shift",
+)
+"""The estimates of a divergence between pi and its rollout policy the audit suite checks
+(:func:`trust_region_estimate_fn`): DPPO's binary and top-k TV and KL, Kimi's squared log-ratio
+(with tau = 1/2), DRPO's squared probability shift, and the unbiased references from the same
+log-probs, ``half-abs-ratio`` (the TV) and ``k3`` (the KL)."""
+
+_TR_TARGET = {
+    "binary-tv": "TV",
+    "topk-tv": "TV",
+    "half-abs-ratio": "TV",
+    "squared-prob-shift": "L2^2",
+}
+"""What each estimate is compared with (the KL of its ``direction`` where not listed)."""
+
+
+def trust_region_estimate_fn(
+    estimator: str, *, direction: str = "rollout||pi", k: int = 4
+) -> Callable[[Sample], Tensor]:
+    r"""A per-row estimate ``[n]`` of a divergence between pi and the policy that sampled.
+
+    The :class:`~klest.testbeds.Sample` is read as the trust-region setting: its tokens were
+    drawn from the rollout policy, ``logp`` is pi's log-prob (with graph), ``logp_ref`` the
+    rollout's, ``logits_ref`` the rollout's full log-probs (its top-k are taken from them),
+    ``logits`` pi's. An :class:`~klest.testbeds.OffPolicyTestbed` whose target's ref and whose
+    behavior are the rollout policy gives such samples (:func:`sampler_testbed`). Rows are
+    sequences (token sums) or single tokens.
+
+    Estimators (:data:`TRUST_REGION_AUDIT`): ``binary-tv``, ``topk-tv``, ``binary-kl``,
+    ``topk-kl`` (:func:`klest.binary_tv` ... with the top ``k`` and the sampled token),
+    ``squared-log-ratio`` (:func:`klest.squared_log_ratio`, :math:`\tau = 1/2`),
+    ``squared-prob-shift`` (:func:`klest.squared_prob_shift`), ``half-abs-ratio``
+    (:math:`\tfrac12|\pi/\mu - 1|`, unbiased for the TV, through :func:`klest.f_divergence`) and
+    ``k3`` (:func:`klest.kl_estimate` with the rollout as the sampler: :math:`r - 1 - \log r`
+    for ``"rollout||pi"``, :math:`r\log r - (r - 1)` for ``"pi||rollout"``, :math:`r = \pi/\mu`;
+    unbiased for the KL).
+
+    Args:
+      estimator: one of :data:`TRUST_REGION_AUDIT`.
+      direction: ``"rollout||pi"`` or ``"pi||rollout"`` (the KLs only).
+      k: the rollout's top-k kept by the top-k divergences.
+
+    Returns:
+      A function from a :class:`~klest.testbeds.Sample` of n rows to n estimates, with the graph
+      to pi's parameters.
+
+    Example:
+      >>> tb = sampler_testbed(seed=0)
+      >>> s = tb.sample(3, generator=klest.testbeds.make_generator(0))
+      >>> trust_region_estimate_fn("topk-kl", k=2)(s).shape
+      torch.Size([3])
+    """
+    if estimator not in TRUST_REGION_AUDIT:
+        raise ValueError(f"estimator must be one of {TRUST_REGION_AUDIT}, got {estimator!r}")
+    if direction not in ("rollout||pi", "pi||rollout"):
+        raise ValueError(f"direction must be 'rollout||pi' or 'pi||rollout', got {direction!r}")
+
+    def estimate(sample: Sample) -> Tensor:
+        assert sample.logits is not None and sample.logits_ref is not None
+        lp, lq, mask = sample.logp, sample.logp_ref, sample.mask
+        common = {"mask": mask, "reduction": "per-sequence"}
+        if estimator.startswith("topk"):
+            assert sample.x is not None
+            top, ids = sample.logits_ref.detach().topk(k, dim=-1)
+            fn = topk_tv if estimator == "topk-tv" else topk_kl
+            extra = {} if estimator == "topk-tv" else {"direction": direction}
+            return fn(
+                lp, lq, top, logits=sample.logits, topk_ids=ids, labels=sample.x, **extra, **common
+            )
+        if estimator == "binary-tv":
+            return binary_tv(lp, lq, **common)
+        if estimator == "binary-kl":
+            return binary_kl(lp, lq, direction=direction, **common)
+        if estimator == "squared-log-ratio":
+            return squared_log_ratio(lp, lq, tau=0.5, **common)
+        if estimator == "squared-prob-shift":
+            return squared_prob_shift(lp, lq, **common)
+        if estimator == "half-abs-ratio":  # f(r) = |r - 1| / 2 of r = pi / rollout
+            return f_divergence(lq, lp, f=lambda r: 0.5 * (r - 1).abs(), f_prime_at_1=0.0, **common)
+        klest_direction = "pi||ref" if direction == "rollout||pi" else "ref||pi"
+        return kl_estimate(lq, lp, estimator="k3", direction=klest_direction, **common)
+
+    estimate.__name__ = f"sampler:{estimator}" + (
+        "" if estimator in _TR_TARGET else f"({direction})"
+    )
+    return estimate
+
+
+def sampler_testbed(
+    *, outcomes: int = 32, scale: float = 2.0, shift: float = 0.5, seed: int = 0
+) -> OffPolicyTestbed:
+    """A categorical policy and its rollout policy, samples drawn from the rollout.
+
+    pi's logits are N(0, scale^2); the rollout's are pi's plus N(0, shift^2) noise (a mismatched
+    inference engine, or a policy a few steps stale). The testbed's exact KLs are pi's against
+    the rollout (``"pi||ref"`` is KL(pi||rollout), ``"ref||pi"`` KL(rollout||pi)); its samples
+    come from the rollout and carry its log-probs as ``logp_ref``.
+
+    Args:
+      outcomes: the number of outcomes (the vocabulary).
+      scale: the spread of pi's logits.
+      shift: the spread of the rollout's difference from pi.
+      seed: seeds both.
+
+    Returns:
+      An :class:`~klest.testbeds.OffPolicyTestbed`: target (pi, rollout), behavior the rollout.
+    """
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(outcomes, generator=g, dtype=torch.float64) * scale
+    zr = z + torch.randn(outcomes, generator=g, dtype=torch.float64) * shift
+    return OffPolicyTestbed(CategoricalTestbed(z, zr), CategoricalTestbed(zr, zr))
+
+
+def _full_divergence(target: str, direction: str, logits: Tensor, logits_rollout: Tensor):
+    """The full-vocabulary divergence an estimate is compared with, differentiable in pi."""
+    lp, lq = torch.log_softmax(logits, -1), torch.log_softmax(logits_rollout, -1)
+    if target == "TV":
+        return 0.5 * (lp.exp() - lq.exp()).abs().sum()
+    if target == "L2^2":
+        return ((lp.exp() - lq.exp()) ** 2).sum()
+    la, lb = (lq, lp) if direction == "rollout||pi" else (lp, lq)
+    return (la.exp() * (la - lb)).sum()
+
+
+def _exact_row(name: str, direction: str, k: int, target: CategoricalTestbed) -> str:
+    """One row of the exact table: every outcome enumerated under the rollout."""
+    fn = trust_region_estimate_fn(name, direction=direction, k=k)
+    n = target.logits.numel()
+    with torch.enable_grad():
+        values = fn(target.evaluate(torch.arange(n)))
+        weights = torch.softmax(target.logits_ref, -1)
+        mean = (weights * values).sum()
+        (grad,) = torch.autograd.grad(mean, target.logits)
+        goal = _TR_TARGET.get(name, "KL")
+        full = _full_divergence(goal, direction, target.logits, target.logits_ref)
+        (full_grad,) = torch.autograd.grad(full, target.logits)
+    mean, full = mean.detach(), full.detach()
+    std = float((weights.detach() * (values.detach() - mean) ** 2).sum().sqrt())
+    cos = float(grad @ full_grad / (grad.norm() * full_grad.norm()))
+    label = name if goal != "KL" else f"{name} ({direction})"
+    what = goal if goal != "KL" else f"KL({direction})"
+    return (
+        f"| {label} | {what} | {float(full):.5g} | {float(mean):.5g} | "
+        f"{float(mean) / float(full):.3f} | {std:.4g} | {cos:+.4f} | "
+        f"{float(grad.norm() / full_grad.norm()):.3f} | "
+        f"{float((grad - full_grad).norm() / full_grad.norm()):.2e} |"
+    )
+
+
+def _sequence_row(name: str, k: int, target: TabularAutoregressive) -> str:
+    """One row of the exact sequence table: every sequence enumerated under the rollout."""
+    fn = trust_region_estimate_fn(name, direction="rollout||pi", k=k)
+    tokens, _ = target.all_sequences()
+    with torch.enable_grad():
+        sample = target.evaluate(tokens)
+        mask = sample.mask
+        log_mu = sample.logp_ref if mask is None else torch.where(mask, sample.logp_ref, 0.0)
+        weights = log_mu.sum(-1).exp()
+        mean = (weights * fn(sample)).sum()
+        (grad,) = torch.autograd.grad(mean, target.logits)
+        full = target.exact_kl("ref||pi")
+        (full_grad,) = torch.autograd.grad(full, target.logits)
+    mean, full = mean.detach(), full.detach()
+    grad, full_grad = grad.reshape(-1), full_grad.reshape(-1)
+    cos = float(grad @ full_grad / (grad.norm() * full_grad.norm()))
+    return (
+        f"| {name} (rollout||pi) | {float(full):.5g} | {float(mean):.5g} | "
+        f"{float(mean) / float(full):.3f} | "
+        f"{cos:+.4f} | {float((grad - full_grad).norm() / full_grad.norm()):.2e} |"
+    )
+
+
+def trust_region_audit_section(
+    *, quick: bool = False, seed: int = 0, progress: bool = False
+) -> str:
+    r"""The audit suite's section on divergences between pi and its rollout policy, as markdown.
+
+    Three parts. (1) Exact, by enumerating the token under the rollout on
+    :func:`sampler_testbed` (32 outcomes, pi's logits N(0, 2^2), the rollout's shifted by
+    N(0, 0.5^2)): each estimate's exact mean against the full-vocabulary divergence it
+    approximates (the TV, a KL, or the squared Euclidean distance), the spread of one token's
+    value, and the exact mean gradient against the divergence's gradient (cosine, norm ratio,
+    relative distance). (2) Exact, by enumerating sequences of a tabular autoregressive pair
+    (V = 4, T = 3, eos; the rollout's table shifted by N(0, 0.5^2)): token sums against the
+    sequence-level KL(rollout||pi). (3) Monte Carlo, :func:`~klest.audit.audit_value` and
+    :func:`~klest.audit.audit_grad` on the categorical pair, for the estimates that claim a KL
+    (the testbed's ``ref`` is the rollout).
+
+    Args:
+      quick: 50 value and 50 gradient trials instead of 2000 each.
+      seed: seeds the testbeds and the sampling.
+      progress: show progress bars (when tqdm is installed).
+
+    Returns:
+      Markdown: two exact tables, a value table and a gradient table.
+    """
+    k = 4
+    testbed = sampler_testbed(seed=seed)
+    target = testbed.target
+    assert isinstance(target, CategoricalTestbed)
+    plan = [(name, "rollout||pi") for name in TRUST_REGION_AUDIT]
+    plan += [(n, "pi||rollout") for n in ("binary-kl", "topk-kl", "k3")]
+    rows = [_exact_row(name, direction, k, target) for name, direction in plan]
+    parts = [
+        "## The trust region at the sampler: divergences between pi and its rollout policy\n\n"
+        f"Tokens sampled from the rollout policy; a categorical pi of {target.logits.numel()} "
+        f"outcomes and its rollout, exact by enumeration; top-k with k = {k} plus the sampled "
+        "token. Binary and top-k are lower bounds of the full divergence for every token "
+        "(mean / full < 1); `half-abs-ratio` and `k3` are unbiased. Every mean gradient is the "
+        "gradient of the estimate's own mean (tokens from the rollout need no score term): "
+        "that of the full divergence only where the estimate is unbiased.\n\n"
+        "| estimate | compared with | full | exact mean | mean / full | std of one token "
+        "| cos(E∇, ∇full) | ‖E∇‖ / ‖∇full‖ | ‖E∇ − ∇full‖ / ‖∇full‖ |\n"
+        "|---|---|---|---|---|---|---|---|---|\n" + "\n".join(rows) + "\n\n"
+    ]
+    g = torch.Generator().manual_seed(seed)
+    seq_pi = TabularAutoregressive.random(4, 3, eos=3, seed=seed, scale=1.5)
+    shifted = seq_pi.logits.detach() + 0.5 * torch.randn(
+        seq_pi.logits.shape, generator=g, dtype=seq_pi.logits.dtype
+    )
+    seq_target = TabularAutoregressive(seq_pi.logits.detach(), shifted, horizon=3, eos=3)
+    seq_rows = [
+        _sequence_row(name, 1, seq_target)
+        for name in ("binary-kl", "topk-kl", "k3", "squared-log-ratio")
+    ]
+    parts.append(
+        "### Sequences: token sums against the sequence-level KL(rollout||pi)\n\n"
+        "A tabular autoregressive pi (V = 4, T = 3, eos) and its rollout, every sequence "
+        "enumerated; top-k with k = 1 plus the sampled token. Prefixes come from the rollout, "
+        "so the token sum of the full per-position KL(rollout||pi) is the sequence KL.\n\n"
+        "| estimate | sequence KL | exact mean | mean / KL | cos(E∇, ∇KL) "
+        "| ‖E∇ − ∇KL‖ / ‖∇KL‖ |\n|---|---|---|---|---|---|\n" + "\n".join(seq_rows) + "\n\n"
+    )
+    trials = 50 if quick else 2000
+    claims = [(n, "rollout||pi") for n in ("binary-kl", "topk-kl", "k3", "squared-log-ratio")]
+    claims += [(n, "pi||rollout") for n in ("binary-kl", "topk-kl", "k3")]
+    values, grads = [], []
+    for name, direction in claims:
+        fn = trust_region_estimate_fn(name, direction=direction, k=k)
+        claim = "ref||pi" if direction == "rollout||pi" else "pi||ref"
+        common = {"direction": claim, "seed": seed, "progress": progress}
+        values.append(audit_value(fn, testbed, batch_size=16, n_trials=trials, **common))
+        grads.append(audit_grad(_batch_mean(fn), testbed, batch_size=8, n_trials=trials, **common))
+    parts.append(
+        "### Monte Carlo: the estimates that claim a KL (the testbed's ref is the rollout: "
+        "KL(ref||pi) = KL(rollout||pi))\n\n"
+        + format_value_audits(values)
+        + "\n"
+        + f"Gradients (batches of 8, {trials} trials):\n\n"
+        + format_grad_audits(grads)
+        + "\n"
+    )
     return "".join(parts)
