@@ -14,7 +14,9 @@ Read it in the order data flows through it:
 7. :mod:`~klest.sampled.baselines`: every baseline and fitted coefficient of the gradients;
 8. :mod:`~klest.sampled.estimators`: the public estimators (``kl_estimate``, ``k1``, ...);
 9. :mod:`~klest.sampled.penalty`: ``kl_penalty`` and its table of gradient estimators;
-10. :mod:`~klest.sampled.rewards`: ``kl_reward``, the KL as a per-token reward.
+10. :mod:`~klest.sampled.rewards`: ``kl_reward``, the KL as a per-token reward;
+11. :mod:`~klest.sampled.importance_weighted`: ``iwae_bound`` and ``renyi_bound``, K-sample
+    variational bounds with pathwise, STL and DReG gradients.
 
 The public names are exported from :mod:`klest` itself.
 """
