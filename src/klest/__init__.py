@@ -15,6 +15,8 @@ from klest._checks import set_default_validate
 from klest._types import AlphaFit
 from klest._types import Backend
 from klest._types import Baseline
+from klest._types import BoundGrad
+from klest._types import BoundReduction
 from klest._types import Direction
 from klest._types import Estimator
 from klest._types import Grad
@@ -64,6 +66,8 @@ from klest.sampled.baselines import group_baselines
 from klest.layout import cu_seqlens_from_position_ids
 from klest.layout import cu_seqlens_from_sequence_ids
 from klest.sampled.rewards import kl_reward
+from klest.sampled.importance_weighted import iwae_bound
+from klest.sampled.importance_weighted import renyi_bound
 from klest.sampled.baselines import BaselineEMA
 from klest.sampled.baselines import LooScaleEMA
 from klest.surrogates import decouple
@@ -92,6 +96,8 @@ __all__ = [
     "Backend",
     "Baseline",
     "BaselineEMA",
+    "BoundGrad",
+    "BoundReduction",
     "ContextParallel",
     "Direction",
     "EstimateDetails",
@@ -130,6 +136,7 @@ __all__ = [
     "get_default_validate",
     "group_baselines",
     "icepop_mask",
+    "iwae_bound",
     "jsd_from_hidden",
     "jsd_from_logits",
     "k1",
@@ -146,6 +153,7 @@ __all__ = [
     "kpop_mask",
     "log_ratio_mask",
     "penalty_targets",
+    "renyi_bound",
     "set_default_validate",
     "skew_kl_from_hidden",
     "skew_kl_from_logits",

@@ -29,6 +29,13 @@ Estimator = Literal["k1", "k2", "k3", "abs", "cv", "rb"]
 Grad = Literal["pathwise", "adaptive", "stl", "score", "cumulative", "rb", "token", "autodiff"]
 """Gradient estimators of :func:`klest.kl_penalty` (see ``klest.GRADIENT_ESTIMATORS``)."""
 
+BoundGrad = Literal["pathwise", "stl", "dreg"]
+"""Gradient estimators of the importance-weighted bounds (:func:`klest.iwae_bound`,
+:func:`klest.renyi_bound`): autodiff of the bound, sticking the landing, doubly reparameterized."""
+
+BoundReduction = Literal["mean", "sum", "none"]
+"""How the bounds of a batch's data points become the result: their mean, sum, or each one."""
+
 Baseline = Literal["loo", "mean", "loo-fitted", "exact-kl", "exact-kl+loo"]
 """Baselines computed within a batch (``"loo-fitted"``: leave-one-out times a cross-fitted
 scale; ``"exact-kl"``: each position's exact KL(pi||ref) from logits, optionally plus the

@@ -17,6 +17,8 @@ Read it in the order data flows through it:
 10. :mod:`~klest.sampled.rewards`: ``kl_reward``, the KL as a per-token reward;
 11. :mod:`~klest.sampled.trust_region`: divergences between pi and the rollout policy that
     sampled the tokens, and the trust-region masks built from them.
+12. :mod:`~klest.sampled.importance_weighted`: ``iwae_bound`` and ``renyi_bound``, K-sample
+    variational bounds with pathwise, STL and DReG gradients.
 
 The public names are exported from :mod:`klest` itself.
 """
