@@ -127,7 +127,7 @@ def _plan(
         w = torch.nn.functional.one_hot(teacher, k).to(torch.float32)
         return _Plan(torch.where(keep[:, None], w, 0.0), keep, layout, bool_mask)
     if weights is None:
-        w = torch.full((n, k), 1.0 / k, device=device)
+        w = torch.full((n, k), 1.0 / k, dtype=torch.float64, device=device)
         return _Plan(torch.where(keep[:, None], w, 0.0), keep, layout, bool_mask)
     if not isinstance(weights, Tensor):
         weights = torch.as_tensor(weights, dtype=torch.float64, device=device)
