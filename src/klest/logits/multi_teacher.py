@@ -88,17 +88,39 @@ def _plan(
     lead: torch.Size,
     device: torch.device,
     k: int,
-    *,
     weights: Tensor | Sequence[float] | None,
     route: Tensor | None,
+    reduction: str,
+    counts: GlobalCounts | None,
+    validate: bool | None,
+    layout_args: dict,
+    name: str,
+) -> _Plan:
+    """Check ``weights`` / ``route`` and the reduction's arguments (``layout_args``: mask,
+    cu_seqlens, max_seqlen) against ``lead`` positions and K teachers; the value checks run
+    here (one host synchronisation)."""
+    check_choice("reduction", reduction, Reduction)
+    check_counts(counts, reduction)
+    checks = ValueChecks(resolve_validate(validate))
+    plan = _weighting(lead, device, k, weights, route, checks, name=name, **layout_args)
+    checks.run()
+    return plan
+
+
+def _weighting(
+    lead: torch.Size,
+    device: torch.device,
+    k: int,
+    weights: Tensor | Sequence[float] | None,
+    route: Tensor | None,
+    checks: ValueChecks,
+    *,
     mask: Tensor | None,
     cu_seqlens: Tensor | None,
     max_seqlen: int | None,
-    checks: ValueChecks,
     name: str,
 ) -> _Plan:
-    """Check ``weights`` / ``route`` / ``mask`` against ``lead`` positions and K teachers;
-    queue the value checks in ``checks`` (run by the caller)."""
+    """:func:`_plan`'s weighting, its value checks queued in ``checks``."""
     layout = layout_of(lead, device, cu_seqlens, max_seqlen, checks, name=name)
     n = lead.numel()
     keep = torch.ones(n, dtype=torch.bool, device=device)
@@ -288,23 +310,11 @@ def multi_teacher_kl_from_logits(
                 f"teacher_logits[{i}] has shape {tuple(t.shape)} on {t.device} but logits has "
                 f"shape {tuple(logits.shape)} on {logits.device}; they must match"
             )
-    check_choice("reduction", reduction, Reduction)
-    check_counts(counts, reduction)
     lead, v, k = logits.shape[:-1], logits.shape[-1], len(teachers)
-    checks = ValueChecks(resolve_validate(validate))
+    layout = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "mask": mask}
     plan = _plan(
-        lead,
-        logits.device,
-        k,
-        weights=weights,
-        route=route,
-        mask=mask,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        checks=checks,
-        name="logits",
+        lead, logits.device, k, weights, route, reduction, counts, validate, layout, "logits"
     )
-    checks.run()
     options = {
         "direction": direction,
         "temperature": temperature,
@@ -424,8 +434,9 @@ def multi_teacher_kl_from_hidden(
         (default ``1/K`` each).
       bias: the student's LM-head bias ``[V]``, if any.
       teacher_biases: K biases ``[V]`` or None each, if any.
-      direction, mask, reduction, temperature, memory_budget, chunk_size, backend, cu_seqlens,
-        max_seqlen, counts, validate, return_details: as in
+      direction, mask, reduction, temperature: as in :func:`multi_teacher_kl_from_logits`.
+      memory_budget, chunk_size, backend: as in :func:`klest.kl_from_hidden`.
+      cu_seqlens, max_seqlen, counts, validate, return_details: as in
         :func:`multi_teacher_kl_from_logits`.
 
     Returns:
@@ -472,22 +483,10 @@ def multi_teacher_kl_from_hidden(
     biases = [None] * k if teacher_biases is None else list(teacher_biases)
     if len(biases) != k:
         raise ValueError(f"teacher_biases holds {len(biases)} entries but there are K = {k} heads")
-    check_choice("reduction", reduction, Reduction)
-    check_counts(counts, reduction)
-    checks = ValueChecks(resolve_validate(validate))
+    layout = {"cu_seqlens": cu_seqlens, "max_seqlen": max_seqlen, "mask": mask}
     plan = _plan(
-        lead,
-        hidden.device,
-        k,
-        weights=weights,
-        route=route,
-        mask=mask,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        checks=checks,
-        name="hidden",
+        lead, hidden.device, k, weights, route, reduction, counts, validate, layout, "hidden"
     )
-    checks.run()
     positive = plan.weights > 0
     used = positive.any(0).tolist()  # one host read
     total = None
