@@ -66,6 +66,7 @@ from klest.sampled.rewards import kl_reward
 from klest.sampled.baselines import BaselineEMA
 from klest.sampled.baselines import LooScaleEMA
 from klest.surrogates import decouple
+from klest.pareto import pareto_k
 import klest.nn
 import klest.distributed  # noqa: F401 (public: klest.distributed.global_counts)
 
@@ -121,6 +122,7 @@ __all__ = [
     "kl_from_topk",
     "kl_penalty",
     "kl_reward",
+    "pareto_k",
     "penalty_targets",
     "set_default_validate",
     "skew_kl_from_hidden",
