@@ -425,6 +425,12 @@ def k3(
     autodiff descends KL(ref||pi), the *other* KL: choose gradients with
     :func:`klest.kl_penalty`. Arguments, shapes and returns as in :func:`kl_estimate`.
 
+    Unbiased, but its value averages r: where r's upper tail is heavy
+    (``details.diagnostics.pareto_k`` above 0.7, which warns once per process; a Gaussian
+    posterior with sigma below 1/sqrt(2) of its standard normal prior) a batch's value is
+    typically below the KL by more than its standard error shows. Log k1's value or the exact KL
+    then (:mod:`klest.sampled.tails`).
+
     See "Approximating KL Divergence" by John Schulman (2020,
     http://joschu.net/blog/kl-approx.html).
 
@@ -522,7 +528,9 @@ def cv(
     (``k1 - alpha (r - 1)`` for KL(ref||pi), so ``alpha = 1`` is k3 in both directions.)
     Unbiased for any fixed alpha and for alpha fitted on other samples (``"loo"``,
     ``"crossfit"``, :class:`~klest.AlphaEMA`); ``"in-sample"`` is biased. ``group`` ids fit alpha
-    within each group. Arguments, shapes and returns as in :func:`kl_estimate`.
+    within each group. Arguments, shapes and returns as in :func:`kl_estimate`. Its value
+    averages r as k3's does: ``details.diagnostics.pareto_k`` measures r's tail
+    (:mod:`klest.sampled.tails`).
 
     The control variate ``r - 1`` has mean 0 because ``E_pi[ref/pi] = 1`` (an AI Tech Inspire
     article on KL divergence); ``alpha = 1`` is k3 of "Approximating KL Divergence" by John
