@@ -128,3 +128,12 @@ def test_bad_arguments_are_named():
 
 def test_pareto_k_is_public():
     assert klest.pareto_k is pareto_k
+
+
+def test_it_reads_nothing_back_to_the_host():
+    """On the ``meta`` device (shapes, no data) every host read of a value raises, so a k-hat
+    computed there, masked or not, batched or not, was computed without one."""
+    x = torch.empty(3, 1000, device="meta")
+    mask = torch.empty(3, 1000, dtype=torch.bool, device="meta")
+    assert pareto_k(x).shape == (3,) and pareto_k(x, mask=mask).shape == (3,)
+    assert pareto_k(x[0]).shape == ()
