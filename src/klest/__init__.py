@@ -87,6 +87,7 @@ from klest.sampled.trust_region import squared_log_ratio
 from klest.sampled.trust_region import squared_prob_shift
 from klest.sampled.trust_region import topk_kl
 from klest.sampled.trust_region import topk_tv
+from klest.pareto import pareto_k
 import klest.nn
 import klest.distributed  # noqa: F401 (public: klest.distributed.global_counts)
 
@@ -158,6 +159,7 @@ __all__ = [
     "log_ratio_mask",
     "multi_teacher_kl_from_hidden",
     "multi_teacher_kl_from_logits",
+    "pareto_k",
     "penalty_targets",
     "renyi_bound",
     "set_default_validate",

@@ -151,8 +151,9 @@ class ValueChecks:
     the same synchronisation and judged on the host by ``failed(*floats)``, so that comparing
     them costs no device operation. ``warn_once(key, flags, message)`` registers a warning read
     in the same synchronisation, given (when no check failed) once per process per ``key``;
-    once given, it is not registered again. When disabled, ``add``, ``add_read`` and
-    ``warn_once`` record nothing and ``run`` does nothing.
+    once given, it is not registered again (``warn_once_read`` judges read values on the host,
+    as ``add_read``; ``pending(key)`` says whether a warning would still be registered). When
+    disabled, ``add``, ``add_read`` and the warnings record nothing and ``run`` does nothing.
     """
 
     def __init__(self, enabled: bool) -> None:
@@ -176,6 +177,24 @@ class ValueChecks:
         if self.enabled and key not in _WARNED_ONCE:
             self._items.append(_Item(flags.detach(), (), message, key))
 
+    def warn_once_read(
+        self,
+        key: str,
+        values: tuple[Tensor, ...],
+        failed: Callable[..., bool],
+        message: Callable[..., str],
+    ) -> None:
+        """As :meth:`warn_once`, judged on the host by ``failed(*floats)`` from 0-dim
+        ``values`` read in the same synchronisation; ``message(*floats)`` builds the text."""
+        if self.enabled and key not in _WARNED_ONCE:
+            reads = tuple(v.detach() for v in values)
+            self._items.append(_Item(None, reads, lambda floats: message(*floats), key, failed))
+
+    def pending(self, key: str) -> bool:
+        """Whether a warning under ``key`` would still be registered (checks on, not given
+        yet): what feeds only that warning need not be computed otherwise."""
+        return self.enabled and key not in _WARNED_ONCE
+
     def run(self) -> None:
         """Read every check at once; raise for the first failed check, then give the warnings."""
         if not self._items:
@@ -191,10 +210,11 @@ class ValueChecks:
         for item, ss in zip(items, per_item, strict=True):
             values = [next(read) for _ in ss]
             failed = item.failed(*values) if item.failed is not None else bool(values[0])
+            payload = item.flags if item.flags is not None else values
             if failed and item.key is None:
-                raise ValueError(item.message(item.flags))
+                raise ValueError(item.message(payload))
             elif failed and item.key not in _WARNED_ONCE and item.key not in warned:
-                warned[item.key] = item.message(item.flags)
+                warned[item.key] = item.message(payload)
         for key, text in warned.items():
             _WARNED_ONCE.add(key)
             warn_at_caller(text, UserWarning)
@@ -203,7 +223,8 @@ class ValueChecks:
 @dataclasses.dataclass
 class _Item:
     """One queued check or warning: boolean ``flags`` (one must be True to fail), or 0-dim
-    ``reads`` judged by ``failed``; ``key`` for a warning."""
+    ``reads`` judged by ``failed``; ``key`` for a warning. ``message`` takes the flags, or the
+    floats read."""
 
     flags: Tensor | None
     reads: tuple[Tensor, ...]

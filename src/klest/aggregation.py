@@ -230,6 +230,12 @@ class KLDiagnostics(NamedTuple):
         valid tokens for the other reductions.
       n_empty_rows: rows (sequences, or masked samples of a 1-D input) with no valid token.
       alpha: mean control-variate coefficient over the rows, when one was used (else None).
+      pareto_k: the Pareto shape k-hat of the largest ratios the value averages
+        (:mod:`klest.pareto`): ``r = ref/pi`` for k3 and cv (and k1 of KL(ref||pi)), the
+        importance weights off-policy, the sampled tail of top-k. Above 0.7 a batch's value is
+        typically below the KL by more than ``stderr`` shows. None where the value carries no
+        ratio (k1, k2, abs of KL(pi||ref) on-policy; exact values); NaN with fewer than 50
+        valid ratios.
     """
 
     mean: float
@@ -238,13 +244,20 @@ class KLDiagnostics(NamedTuple):
     n_units: int
     n_empty_rows: int
     alpha: float | None = None
+    pareto_k: float | None = None
 
 
 def diagnostics(
-    values: Tensor, valid: Tensor | None, *, reduction: str, alpha: Tensor | None = None
+    values: Tensor,
+    valid: Tensor | None,
+    *,
+    reduction: str,
+    alpha: Tensor | None = None,
+    pareto_k: Tensor | None = None,
 ) -> KLDiagnostics:
     """Diagnostics of ``[rows, T]`` values (0 where not valid; ``valid`` None: all count); units
-    follow ``reduction``. One host synchronisation (all numbers are read back together).
+    follow ``reduction``; ``pareto_k``: the 0-dim k-hat of the ratios the values carry (None:
+    none). One host synchronisation (all numbers are read back together).
     """
     if valid is None:
         valid = torch.ones_like(values, dtype=torch.bool)
@@ -263,6 +276,7 @@ def diagnostics(
         stderr = torch.where(n > 1, (var / n.clamp(min=1)).sqrt(), math.nan)
         frac_negative = (valid & (v < 0)).sum().double() / valid.sum().clamp(min=1).double()
         coef = math.nan if alpha is None else alpha.detach().double().mean()
+        k_hat = math.nan if pareto_k is None else pareto_k.detach().double()
         numbers = torch.stack(
             [
                 mean,
@@ -271,6 +285,7 @@ def diagnostics(
                 n,
                 (~nonempty).sum().double(),
                 torch.as_tensor(coef, dtype=torch.float64, device=v.device),
+                torch.as_tensor(k_hat, dtype=torch.float64, device=v.device),
             ]
         ).tolist()
     return KLDiagnostics(
@@ -280,6 +295,7 @@ def diagnostics(
         n_units=int(numbers[3]),
         n_empty_rows=int(numbers[4]),
         alpha=None if alpha is None else numbers[5],
+        pareto_k=None if pareto_k is None else numbers[6],
     )
 
 

@@ -52,6 +52,15 @@ Estimators (``estimator=``):
   (:math:`E_\pi[1[y\notin S]\,u] = \bar P`), so the estimate is unbiased, never below the
   tail-bucket bound, and has the variance of k3 on the tail only.
 
+Tail diagnostic. The sampled estimators of :math:`KL(ref\|\pi)`, and ``"unbiased-cv"`` of
+:math:`KL(\pi\|ref)`, average a ratio over the positions whose token falls outside S
+(:math:`w_y = ref_y/\pi_y`, or :math:`u`); where it has a heavy upper tail a batch's estimate
+is typically below the KL. Its Pareto k-hat (:mod:`klest.pareto`, over the counted positions, 0
+where the token is in S) is reported in ``details.diagnostics.pareto_k``, and above 0.7 a
+``UserWarning`` (once per process, on the value checks' one read; nothing is computed with
+``validate=False`` and no details) suggests a larger k or ``"tail-bucket"``. ``"unbiased"`` of
+:math:`KL(\pi\|ref)` averages log-ratios only: its ``pareto_k`` is None.
+
 Gradients to the student's logits. ``truncated``, ``truncated-raw`` and ``tail-bucket`` are
 deterministic functions of the logits: their gradient is theirs (of a biased objective).
 For the sampled estimators, value :math:`V(\theta, y) = D(\theta) + g(\theta, y)` with
@@ -100,6 +109,7 @@ from klest.aggregation import (
 from klest.layout import layout_of
 from klest.logits._call import Positions, positions
 from klest.logits._rows import chunk_rows
+from klest.pareto import PARETO_K_THRESHOLD, pareto_k
 from klest.surrogates import join
 
 __all__ = ["SAMPLED", "TopKDetails", "TopKEstimator", "kl_from_topk"]
@@ -397,6 +407,7 @@ def kl_from_topk(
     raw, lr_set = _student_terms(logits, inp, memory_budget)
     check_counts(counts, reduction)
     layout = layout_of(inp.lead, logits.device, cu_seqlens, max_seqlen, inp.checks, name="logits")
+    tail = _tail_check(raw, estimator, direction, inp.checks, details=return_details)
     inp.checks.run()
     with torch.no_grad():
         value, _ = _values(raw, raw, estimator, direction)
@@ -427,9 +438,55 @@ def kl_from_topk(
             student_mass=spread(torch.logsumexp(raw.a.detach(), -1).exp()).reshape(lead),
             overlap=spread(torch.minimum(raw.a.detach().exp(), raw.b.exp()).sum(-1)).reshape(lead),
             in_set=spread(~raw.out).reshape(lead) if inp.sampled else None,
-            diagnostics=diagnostics(values, valid, reduction=reduction),
+            diagnostics=diagnostics(values, valid, reduction=reduction, pareto_k=tail),
         )
     return WithDetails(result, details)
+
+
+TAIL_WARNING = "topk-tail"
+"""The key of the once-per-process warning of a heavy-tailed sampled tail."""
+
+
+def _tail_check(
+    raw: _Terms, estimator: str, direction: str, checks: ValueChecks, *, details: bool
+) -> Tensor | None:
+    r"""The Pareto k-hat (:mod:`klest.pareto`) of the ratios the sampled tail term averages, over
+    the counted positions, with a warning above 0.7 queued on ``checks`` (once per process);
+    None where the estimate carries no ratio or nothing needs it.
+
+    The ratio is :math:`w_y = ref_y/\pi_y` for ``"unbiased"`` of KL(ref||pi) and for
+    ``"unbiased-cv"`` of KL(ref||pi) (whose term is :math:`(\bar R/\bar P)(u\log u - u + 1)`,
+    :math:`(\bar R/\bar P) u = w_y`), the conditional tail ratio :math:`u` for ``"unbiased-cv"``
+    of KL(pi||ref); 0 at positions whose sampled token is in S (their term is 0). ``"unbiased"``
+    of KL(pi||ref) averages the log-ratio only: no ratio."""
+    if estimator not in SAMPLED or (estimator == "unbiased" and direction == "pi||ref"):
+        return None
+    warn = checks.pending(TAIL_WARNING)
+    if not (warn or details):
+        return None
+    with torch.no_grad():
+        log_ratio = raw.b_y - raw.a_y.detach()
+        if estimator == "unbiased-cv" and direction == "pi||ref":
+            log_ratio = log_ratio + raw.lp.detach() - raw.lr
+        k = pareto_k(torch.where(raw.out, log_ratio, -math.inf))
+    if warn:
+        n, ratio = raw.out.numel(), "u" if direction == "pi||ref" else "w_y = ref_y/pi_y"
+
+        def message(k_hat: float) -> str:
+            return (
+                f"kl_from_topk(estimator={estimator!r}): the ratios its sampled tail averages "
+                f"({ratio}, 0 where the sampled token is in the top k) have a heavy upper tail: "
+                f"Pareto k-hat {k_hat:.2f} > {PARETO_K_THRESHOLD} over {n} positions (the PSIS "
+                "diagnostic, klest.pareto). Beyond 0.7 their mean lives in samples a batch "
+                "almost never holds: the estimate is typically below the KL by more than its "
+                "standard error shows. Store more of the teacher (a larger k), or use "
+                "estimator='tail-bucket', a deterministic lower bound. return_details=True "
+                "reports it for every call (diagnostics.pareto_k). This warning is given once "
+                "per process."
+            )
+
+        checks.warn_once_read(TAIL_WARNING, (k,), lambda k_hat: k_hat > PARETO_K_THRESHOLD, message)
+    return k
 
 
 @dataclass(frozen=True)

@@ -47,6 +47,7 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributions import Distribution
 
 from klest._checks import (
     ValueChecks,
@@ -58,6 +59,7 @@ from klest._checks import (
 from klest._types import DEFAULT_REDUCTION, Direction, Estimator, Level, Reduction
 from klest.aggregation import GlobalCounts, KLDiagnostics, WithDetails, check_counts
 from klest.sampled.control_variates import Alpha
+from klest.sampled.distributions import Method, closed_form, resolve
 from klest.sampled.groups import group_keys, group_sizes
 from klest.sampled.log_ratios import (
     at_sequence_level,
@@ -65,6 +67,7 @@ from klest.sampled.log_ratios import (
     exact_position_kls,
     prepare_log_ratios,
 )
+from klest.sampled.tails import tail_check
 from klest.sampled.terms import weighted
 from klest.sampled.values import Estimate, estimate_rows
 
@@ -85,10 +88,15 @@ class EstimateDetails(NamedTuple):
     """What :func:`kl_estimate` reports besides the estimate (``return_details=True``).
 
     Attributes:
-      diagnostics: mean, standard error, fraction of negative values, counts, fitted alpha.
+      diagnostics: mean, standard error, fraction of negative values, counts, fitted alpha,
+        the ratios' tail diagnostic ``pareto_k``.
+      method: ``"log-probs"`` (the samples passed), or for ``torch.distributions`` inputs
+        ``"closed-form"`` (``kl_divergence``) or ``"monte-carlo"`` (``pi.rsample()``):
+        :mod:`klest.sampled.distributions`.
     """
 
     diagnostics: KLDiagnostics
+    method: Method = "log-probs"
 
 
 SMALL_GROUP = 10
@@ -107,8 +115,8 @@ def _small_groups(flags: Tensor) -> str:
 
 
 def kl_estimate(
-    logp: Tensor,
-    logp_ref: Tensor,
+    logp: Tensor | Distribution,
+    logp_ref: Tensor | Distribution,
     *,
     estimator: Estimator = "k3",
     direction: Direction = "pi||ref",
@@ -146,8 +154,11 @@ def kl_estimate(
 
     Args:
       logp: log pi of the samples, ``[..., T]`` per token or ``[N]`` per sample; any float dtype
-        (bf16/fp16 are computed in fp32).
-      logp_ref: log ref of the same samples, same shape.
+        (bf16/fp16 are computed in fp32). Or pi itself, a ``torch.distributions.Distribution``
+        (with ref one too): the closed-form KL where ``torch.distributions.kl_divergence`` has
+        one, else one draw of ``pi.rsample()`` per batch element
+        (:mod:`klest.sampled.distributions`; ``details.method`` says which).
+      logp_ref: log ref of the same samples, same shape (or ref, a ``Distribution``).
       estimator: ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``, ``"cv"`` (with ``alpha``) or ``"rb"``
         (with ``logits`` and ``logits_ref``).
       direction: ``"pi||ref"`` (default) or ``"ref||pi"``: the KL estimated, named by arguments.
@@ -211,6 +222,28 @@ def kl_estimate(
         raise ValueError(f"alpha applies only to estimator='cv', not {estimator!r}")
     if group is not None and not isinstance(alpha, str):
         raise ValueError("group applies only to a fitted alpha ('loo', 'crossfit', 'in-sample')")
+    source = resolve(
+        logp,
+        logp_ref,
+        direction=direction,
+        function="kl_estimate",
+        refused={
+            "logp_behavior": logp_behavior,
+            "logits": logits,
+            "logits_ref": logits_ref,
+            "position_kls": position_kls,
+            "cu_seqlens": cu_seqlens,
+        },
+    )
+    if source is not None and source.kl is not None:
+        out, est = closed_form(
+            source.kl, mask=mask, reduction=reduction, counts=counts, validate=validate
+        )
+        if not return_details:
+            return out
+        return WithDetails(out, EstimateDetails(est.diagnostics(reduction), source.method))
+    if source is not None:
+        logp, logp_ref, density = source.logp, source.logp_ref, True
     checks = ValueChecks(resolve_validate(validate))
     lr = prepare_log_ratios(
         logp,
@@ -254,16 +287,26 @@ def kl_estimate(
         kls=kls,
         checks=checks,
     )
+    tail = tail_check(
+        lr,
+        estimator=estimator,
+        direction=direction,
+        level=level,
+        checks=checks,
+        details=return_details,
+        caller=f"kl_estimate(estimator={estimator!r})",
+    )
     checks.run()
     out = est.reduce(reduction, counts)
     if not return_details:
         return out
-    return WithDetails(out, EstimateDetails(est.diagnostics(reduction)))
+    method: Method = "log-probs" if source is None else source.method
+    return WithDetails(out, EstimateDetails(est.diagnostics(reduction, tail), method))
 
 
 def k1(
-    logp: Tensor,
-    logp_ref: Tensor,
+    logp: Tensor | Distribution,
+    logp_ref: Tensor | Distribution,
     *,
     direction: Direction = "pi||ref",
     mask: Tensor | None = None,
@@ -310,8 +353,8 @@ def k1(
 
 
 def k2(
-    logp: Tensor,
-    logp_ref: Tensor,
+    logp: Tensor | Distribution,
+    logp_ref: Tensor | Distribution,
     *,
     direction: Direction = "pi||ref",
     mask: Tensor | None = None,
@@ -358,8 +401,8 @@ def k2(
 
 
 def k3(
-    logp: Tensor,
-    logp_ref: Tensor,
+    logp: Tensor | Distribution,
+    logp_ref: Tensor | Distribution,
     *,
     direction: Direction = "pi||ref",
     mask: Tensor | None = None,
@@ -381,6 +424,12 @@ def k3(
     (exact near r = 1, no overflow while the true value is finite). As a loss on sampled x its
     autodiff descends KL(ref||pi), the *other* KL: choose gradients with
     :func:`klest.kl_penalty`. Arguments, shapes and returns as in :func:`kl_estimate`.
+
+    Unbiased, but its value averages r: where r's upper tail is heavy
+    (``details.diagnostics.pareto_k`` above 0.7, which warns once per process; a Gaussian
+    posterior with sigma below 1/sqrt(2) of its standard normal prior) a batch's value is
+    typically below the KL by more than its standard error shows. Log k1's value or the exact KL
+    then (:mod:`klest.sampled.tails`).
 
     See "Approximating KL Divergence" by John Schulman (2020,
     http://joschu.net/blog/kl-approx.html).
@@ -409,8 +458,8 @@ def k3(
 
 
 def k_abs(
-    logp: Tensor,
-    logp_ref: Tensor,
+    logp: Tensor | Distribution,
+    logp_ref: Tensor | Distribution,
     *,
     direction: Direction = "pi||ref",
     mask: Tensor | None = None,
@@ -454,8 +503,8 @@ def k_abs(
 
 
 def cv(
-    logp: Tensor,
-    logp_ref: Tensor,
+    logp: Tensor | Distribution,
+    logp_ref: Tensor | Distribution,
     *,
     alpha: Alpha,
     direction: Direction = "pi||ref",
@@ -479,7 +528,9 @@ def cv(
     (``k1 - alpha (r - 1)`` for KL(ref||pi), so ``alpha = 1`` is k3 in both directions.)
     Unbiased for any fixed alpha and for alpha fitted on other samples (``"loo"``,
     ``"crossfit"``, :class:`~klest.AlphaEMA`); ``"in-sample"`` is biased. ``group`` ids fit alpha
-    within each group. Arguments, shapes and returns as in :func:`kl_estimate`.
+    within each group. Arguments, shapes and returns as in :func:`kl_estimate`. Its value
+    averages r as k3's does: ``details.diagnostics.pareto_k`` measures r's tail
+    (:mod:`klest.sampled.tails`).
 
     The control variate ``r - 1`` has mean 0 because ``E_pi[ref/pi] = 1`` (an AI Tech Inspire
     article on KL divergence); ``alpha = 1`` is k3 of "Approximating KL Divergence" by John
@@ -598,12 +649,21 @@ def f_divergence(
     values = weighted(values.to(lr.delta.dtype), lr.log_w)
     if lr.valid is not None:
         values = torch.where(lr.valid, values, 0.0)
+    tail = tail_check(
+        lr,
+        estimator="f",
+        direction="pi||ref",
+        level="token",  # lr is already at the call's level
+        checks=checks,
+        details=return_details,
+        caller="f_divergence",
+    )
     checks.run()
     est = Estimate(values, lr.valid, lr.layout)
     out = est.reduce(reduction, counts)
     if not return_details:
         return out
-    return WithDetails(out, EstimateDetails(est.diagnostics(reduction)))
+    return WithDetails(out, EstimateDetails(est.diagnostics(reduction, tail)))
 
 
 def _check_f_values(

@@ -78,6 +78,7 @@ from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.distributions import Distribution
 
 from klest._checks import (
     ArgumentNames,
@@ -118,6 +119,7 @@ from klest.sampled.context_parallel import (
     whole_sequences,
 )
 from klest.sampled.control_variates import Alpha
+from klest.sampled.distributions import Method, closed_form, resolve
 from klest.sampled.groups import group_keys
 from klest.sampled.log_ratios import (
     LogRatios,
@@ -133,6 +135,7 @@ from klest.sampled.sequence import (
     sum_from_here,
     unalign,
 )
+from klest.sampled.tails import tail_check
 from klest.sampled.terms import k3_term, naive_term
 from klest.sampled.values import Estimate, estimate_rows, rb_weights
 from klest.surrogates import join
@@ -164,11 +167,15 @@ class PenaltyDetails(NamedTuple):
         estimate under the call's reduction (its ``mean`` is the loss for mean reductions).
       n_singleton_samples: samples (rows with a valid token) with no other such row in their
         group (leave-one-out gives them baseline 0); empty rows are not samples.
+      method: ``"log-probs"`` (the samples passed), or for ``torch.distributions`` inputs
+        ``"closed-form"`` (``kl_divergence``, its exact gradient) or ``"monte-carlo"``
+        (``pi.rsample()``, a pathwise gradient): :mod:`klest.sampled.distributions`.
     """
 
     per_sequence: Tensor
     diagnostics: KLDiagnostics
     n_singleton_samples: int
+    method: Method = "log-probs"
 
 
 @dataclass(frozen=True)
@@ -769,8 +776,8 @@ def _surrogate_explanation(
 
 
 def kl_penalty(
-    logp: Tensor,
-    logp_ref: Tensor,
+    logp: Tensor | Distribution,
+    logp_ref: Tensor | Distribution,
     *,
     estimator: Estimator = "k3",
     grad: Grad = "cumulative",
@@ -816,8 +823,13 @@ def kl_penalty(
 
     Args:
       logp: log pi of the sampled tokens ``[..., T]`` (or samples ``[N]``), carrying the graph
-        of the trainable model.
-      logp_ref: log ref of the same tokens (a graph only through reparameterized samples).
+        of the trainable model. Or pi itself, a ``torch.distributions.Distribution`` (with ref
+        one too): the closed-form KL and its exact gradient where
+        ``torch.distributions.kl_divergence`` has one, else one draw of ``pi.rsample()`` per
+        batch element with a pathwise gradient (the default ``grad`` means ``"pathwise"``
+        then); :mod:`klest.sampled.distributions`, ``details.method`` says which.
+      logp_ref: log ref of the same tokens (a graph only through reparameterized samples), or
+        ref, a ``Distribution``.
       estimator: the value: ``"k1"``, ``"k2"``, ``"k3"``, ``"abs"``, ``"cv"`` (with
         ``alpha``) or ``"rb"`` (exact per-position KLs; needs logits).
       grad: the gradient: ``"pathwise"``, ``"adaptive"``, ``"stl"``, ``"score"``,
@@ -951,6 +963,34 @@ def kl_penalty(
     check_choice("reduction", reduction, Reduction)
     check_level(level, reduction)
     check_flag("reparameterized", reparameterized)
+    source = resolve(
+        logp,
+        logp_ref,
+        direction=direction,
+        function="kl_penalty",
+        refused={
+            "baseline": baseline,
+            "logp_behavior": logp_behavior,
+            "logits": logits,
+            "logits_ref": logits_ref,
+            "position_kls": position_kls,
+            "logp_stl": logp_stl,
+            "cu_seqlens": cu_seqlens,
+        },
+    )
+    if source is not None and source.kl is not None:
+        out, exact = closed_form(
+            source.kl, mask=mask, reduction=reduction, counts=counts, validate=validate
+        )
+        if not return_details:
+            return out
+        per_sequence = exact.reduce("per-sequence").detach()
+        return WithDetails(
+            out, PenaltyDetails(per_sequence, exact.diagnostics(reduction), 0, source.method)
+        )
+    if source is not None:  # one reparameterized draw: the pathwise gradient
+        logp, logp_ref, reparameterized = source.logp, source.logp_ref, True
+        grad = "pathwise" if grad == "cumulative" else grad
     est = GRADIENT_ESTIMATORS[grad]
     _check_rules(
         est,
@@ -1049,6 +1089,15 @@ def kl_penalty(
             kls=kls,
             checks=checks,
         )
+    tail = tail_check(
+        lr,
+        estimator=estimator,
+        direction=direction,
+        level=level,
+        checks=checks,
+        details=return_details,
+        caller=f"kl_penalty(estimator={estimator!r})",
+    )
     if token_weights is not None:  # the objective's per-token weights, in the value too
         value = replace(value, values=value.values * token_weights)
     inputs = SurrogateInputs(
@@ -1086,8 +1135,9 @@ def kl_penalty(
         singletons = int((per_group == 1).sum())
     details = PenaltyDetails(
         per_sequence=value.reduce("per-sequence").detach(),
-        diagnostics=value.diagnostics(reduction),
+        diagnostics=value.diagnostics(reduction, tail),
         n_singleton_samples=singletons,
+        method="log-probs" if source is None else source.method,
     )
     return WithDetails(loss, details)
 

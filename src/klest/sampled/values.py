@@ -54,8 +54,12 @@ class Estimate:
     def reduce(self, reduction: str, counts: GlobalCounts | None = None) -> Tensor:
         return reduce_rows(self.values, self.valid, reduction, self.layout, counts)
 
-    def diagnostics(self, reduction: str) -> KLDiagnostics:
-        return diagnostics(self.values, self.valid, reduction=reduction, alpha=self.coef)
+    def diagnostics(self, reduction: str, pareto_k: Tensor | None = None) -> KLDiagnostics:
+        """The diagnostics under ``reduction``, with the tail diagnostic ``pareto_k`` (0-dim,
+        :mod:`klest.sampled.tails`) when the values carry a ratio."""
+        return diagnostics(
+            self.values, self.valid, reduction=reduction, alpha=self.coef, pareto_k=pareto_k
+        )
 
 
 def estimate_rows(
