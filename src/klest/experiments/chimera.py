@@ -119,8 +119,12 @@ def _variance_run(config: RunConfig) -> Report:
     dims = (1, 10, 100, 1000) if config.quick else (1, 10, 50, 100, 500, 1000, 2000, 5000)
     trials = 100 if config.quick else 300
     rows = []
+    bar = progress_bar(
+        total=len(dims) * len(ESTIMATORS), desc="chimera-variance", enabled=config.progress
+    )
     for dim in dims:
         row = {"D": dim}
+        bar.set_postfix_str(f"D = {dim}")
         for e in ESTIMATORS:
             testbed = GaussianTestbed.chimera(dim, MU0)
             draws = gradient_draws(
@@ -135,7 +139,9 @@ def _variance_run(config: RunConfig) -> Report:
                 "monte_carlo": float(per_coord.mean()),
                 "closed_form": closed_form_variance(e, dim),
             }
+            bar.update(1)
         rows.append(row)
+    bar.close()
     table = [
         "| D | " + " | ".join(f"{e} MC | {e} closed form" for e in ESTIMATORS) + " |",
         "|---|" + "---|---|" * len(ESTIMATORS),
@@ -218,7 +224,10 @@ def _training_run(config: RunConfig) -> Report:
     every = max(1, steps // 100)
     curves = {}
     jobs = [(d, e) for d in dims for e in ESTIMATORS]
-    for dim, e in progress_bar(jobs, desc="chimera-training", enabled=config.progress):
+    # One unit per Adam step: a job at D = 5000 takes seconds.
+    bar = progress_bar(total=len(jobs) * steps, desc="chimera-training", enabled=config.progress)
+    for dim, e in jobs:
+        bar.set_postfix_str(f"D = {dim}, {e}")
         testbed = GaussianTestbed.chimera(dim, MU0)
         opt = torch.optim.Adam([testbed.mean], lr=0.02)
         gen = make_generator(config.seed)
@@ -232,6 +241,7 @@ def _training_run(config: RunConfig) -> Report:
             if step % every == 0 or step == steps - 1:
                 kl.append(float(testbed.exact_kl().detach()))
                 value.append(float(out.detach()))
+            bar.update(1)
         curves[f"{dim}/{e}"] = {
             "D": dim,
             "estimator": e,
@@ -239,6 +249,7 @@ def _training_run(config: RunConfig) -> Report:
             "loss": value,
             "initial_kl": dim * MU0 * MU0 / 2,
         }
+    bar.close()
     table = [
         "| D | initial KL | " + " | ".join(f"final KL: {e}" for e in ESTIMATORS) + " |",
         "|---|---|" + "---|" * len(ESTIMATORS),

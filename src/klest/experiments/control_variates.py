@@ -30,6 +30,7 @@ import math
 import numpy as np
 import torch
 
+from klest._progress import progress_bar
 from klest.audit import audit_value
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot, table_threshold
 from klest.sampled.estimators import cv
@@ -135,7 +136,8 @@ def run(config: RunConfig) -> Report:
     )
     trials = 400 if config.quick else 4000
     flag_z = table_threshold(len(scales) * len(ESTIMATORS))
-    rows = [_row(s, trials, config.seed, flag_z) for s in scales]
+    bar = progress_bar(scales, desc="control-variates", enabled=config.progress)
+    rows = [_row(s, trials, config.seed, flag_z) for s in bar]
     return Report(
         results={
             "experiment": "control-variates",

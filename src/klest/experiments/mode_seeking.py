@@ -25,6 +25,7 @@ import math
 import numpy as np
 import torch
 
+from klest._progress import progress_bar
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.sampled.penalty import kl_penalty
 from klest.testbeds import GaussianMixtureTarget, make_generator
@@ -84,7 +85,8 @@ def _fit(kind: str, steps: int, batch: int, seed: int) -> dict:
 def run(config: RunConfig) -> Report:
     steps = 300 if config.quick else 1500
     batch = 256
-    fits = {kind: _fit(kind, steps, batch, config.seed) for kind in FITS}
+    bar = progress_bar(FITS, desc="mode-seeking", enabled=config.progress)
+    fits = {kind: _fit(kind, steps, batch, config.seed) for kind in bar}
     lines = [
         "| fit | final mean | final std | exact KL(pi‖ref) | exact KL(ref‖pi) |",
         "|---|---|---|---|---|",
