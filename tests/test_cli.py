@@ -24,8 +24,8 @@ def test_list_names_the_experiments(capsys):
 
 def test_command_line_run_schulman_quick_seed_3_reproduces_the_table(tmp_path):
     """The installed command line (``python -m klest.cli``): exit code, files, the table, and
-    progress on a standard error that is not a terminal (a pipe): a line per audit (2 x 3 table
-    rows, 6 x 3 sweep points) with the interval at 0."""
+    progress on a standard error that is not a terminal (a pipe): with the interval at 0, a line
+    per audit (2 x 3 table rows, 6 x 3 sweep points) and one for the figures."""
     out = tmp_path / "schulman"
     proc = subprocess.run(
         [
@@ -39,7 +39,7 @@ def test_command_line_run_schulman_quick_seed_3_reproduces_the_table(tmp_path):
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert assert_reports_every_unit(proc.stderr, "schulman") == (2 + 6) * 3
+    assert assert_reports_every_unit(proc.stderr, "schulman") == (2 + 6) * 3 + 1
     result = json.loads((out / "result.json").read_text())
     assert result["seed"] == 3 and result["quick"] is True
     rows = {(s["mu"], r["estimator"]): r for s in result["settings"] for r in s["rows"]}

@@ -43,6 +43,9 @@ def _run_experiment(name: str, *, quick: bool, seed: int, out: Path | None, prog
         raise SystemExit(f"klest run {name}: {e}") from None
     out = out or Path("runs") / name
     report = experiments[name].run(RunConfig(quick=quick, seed=seed, progress=progress))
+    if progress:
+        files = 2 + len(report.figures)
+        print(f"klest run {name}: writing {files} files to {out}", file=sys.stderr, flush=True)
     paths = write_report(report, out)
     print(f"## {name}{' (--quick)' if quick else ''}\n")
     print(report.table)

@@ -203,8 +203,8 @@ def run(config: RunConfig) -> Report:
     n = 400_000 if config.quick else 10_000_000
     mus = np.geomspace(0.05, 2.0, 6 if config.quick else 16)
     settings = []
-    # One unit per audit: the table's rows, then the sweep's.
-    total = (len(MUS) + len(mus)) * len(ESTIMATORS)
+    # One unit per audit (the table's rows, then the sweep's), one for the figures.
+    total = (len(MUS) + len(mus)) * len(ESTIMATORS) + 1
     with progress_bar(total=total, desc="schulman", enabled=config.progress) as bar:
         for mu in MUS:
             rows = []
@@ -214,6 +214,9 @@ def run(config: RunConfig) -> Report:
             settings.append({"mu": mu, "true_kl": mu * mu / 2, "rows": rows})
         bar.set_postfix_str("sweep over mu")
         sweep = _sweep(mus, 100_000 if config.quick else 1_000_000, config.seed, bar)
+        bar.set_postfix_str("figures")
+        figures = _figures(settings, mus, sweep, config.seed)
+        bar.update(1)
     reproduced = all(r["agrees"] for s in settings for r in s["rows"])
     results = {
         "experiment": "schulman",
@@ -234,7 +237,7 @@ def run(config: RunConfig) -> Report:
         else f"NOT reproduced: some entries are more than {AGREEMENT_SE:.2f} standard errors from "
         "the closed form."
     )
-    return Report(results, _table(settings), _figures(settings, mus, sweep, config.seed), summary)
+    return Report(results, _table(settings), figures, summary)
 
 
 EXPERIMENT = Experiment(
