@@ -334,7 +334,9 @@ def _tables(m: dict[str, Any]) -> str:
 def _figure(m: dict[str, Any]) -> Any:
     plt = pyplot()
     keys = list(m["gradients"])
-    fig, axes = plt.subplots(1, 2, figsize=(12, 0.32 * len(keys) + 1.5), sharey=True)
+    fig, axes = plt.subplots(
+        1, 2, figsize=(12, 0.32 * len(keys) + 2.2), sharey=True, layout="constrained"
+    )
     y = torch.arange(len(keys)).tolist()
     for ax, part, title in (
         (axes[0], "sequence", "sequence-level KLs"),
@@ -355,10 +357,10 @@ def _figure(m: dict[str, Any]) -> Any:
         ax.axvline(0, color="k", lw=0.5)
         ax.axvline(1, color="k", lw=0.5, ls="--")
         ax.set(title=f"mean gradient regressed on the {title}", xlabel="coefficient (± 2 se)")
-        ax.legend(fontsize=8)
+        # Below the panel: above, it covered the first rows' points.
+        ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.08), ncol=2)
     axes[0].set_yticks(y, keys, fontsize=8)
     axes[0].invert_yaxis()
-    fig.tight_layout()
     return fig
 
 
