@@ -20,16 +20,18 @@ import torch
 
 from klest.audit import audit_value
 from klest.cli import main
+from tests._figures import figures_checked
 from tests._progress import assert_reports_every_unit
 from tests._stats import RATE, Z, assert_failures_consistent, t_for, z_for
 
 
 def run_quick(name: str, tmp_path) -> dict:
     """``klest run NAME --quick --progress`` with standard error captured (not a terminal) and
-    a progress line at every update: the experiment's bar reports each of its units."""
+    a progress line at every update: the experiment's bar reports each of its units, and its
+    figures have no overlapping tick labels, no two legend entries alike, no legend over data."""
     out = tmp_path / name
     err = io.StringIO()
-    with _every_update(), contextlib.redirect_stderr(err):
+    with _every_update(), figures_checked(), contextlib.redirect_stderr(err):
         assert main(["run", name, "--quick", "--out", str(out), "--progress"]) == 0
     assert_reports_every_unit(err.getvalue(), name)
     assert (out / "table.md").stat().st_size > 100
