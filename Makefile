@@ -93,8 +93,11 @@ test-gpu: $(STAMP)
 	$(PY) -m pytest -q tests/logits tests/test_host_syncs.py
 
 # The documentation site, warnings as errors; docs/_build/html/index.html. Runs no experiment.
+# Then the check that it renders offline: nothing loaded from another host (MathJax ships in
+# _static).
 docs: $(STAMP)
 	$(VENV)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	$(PY) docs/check_offline.py docs/_build/html
 
 # The experiments' figures in docs/_static/experiments/: the full-size runs (minutes each), under
 # runs/NAME, then scaled down for the repository. Not part of `make test`.
@@ -105,7 +108,7 @@ docs-figures: $(STAMP)
 	done
 	$(PY) docs/figures.py runs
 
-LINTED := src tests benchmarks examples docs/conf.py docs/figures.py conftest.py requirements/diff_lock.py
+LINTED := src tests benchmarks examples docs/conf.py docs/figures.py docs/check_offline.py conftest.py requirements/diff_lock.py
 lint: $(STAMP)
 	$(VENV)/bin/ruff check $(LINTED)
 	$(VENV)/bin/ruff format --check $(LINTED)

@@ -14,9 +14,15 @@ extensions = [
     "sphinx.ext.autodoc",
     "sphinx.ext.napoleon",
     "sphinx.ext.mathjax",
+    # MathJax itself, copied into _static: math renders offline (no CDN).
+    "sphinx-mathjax-offline",
     "sphinx.ext.viewcode",
     "myst_parser",
 ]
+
+# Curly quotes and ellipses, but no dashes: "--" in command-line options (--use-kl-loss) stays
+# two hyphens instead of becoming an en dash that a reader would copy.
+smartquotes_action = "qe"
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
 exclude_patterns = ["_build"]
@@ -53,6 +59,8 @@ myst_heading_anchors = 3
 html_theme = "furo"
 html_title = f"klest {release}"
 html_static_path = ["_static"]
+# Wide tables wrap inside the column; wide display math scrolls instead of being cut.
+html_css_files = ["klest.css"]
 html_theme_options = {
     "navigation_with_keys": True,
 }

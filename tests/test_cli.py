@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 from klest.audit import SEQUENCE_VALUE_AUDIT, TOPK_AUDIT, VALUE_AUDIT
-from klest.cli import main
+from klest.cli import _parser, main
+from tests._progress import assert_reports_every_unit
 from tests._stats import RATE, assert_failures_consistent, z_for
 
 
@@ -20,19 +23,23 @@ def test_list_names_the_experiments(capsys):
 
 
 def test_command_line_run_schulman_quick_seed_3_reproduces_the_table(tmp_path):
-    """The installed command line (``python -m klest.cli``): exit code, files, the table."""
+    """The installed command line (``python -m klest.cli``): exit code, files, the table, and
+    progress on a standard error that is not a terminal (a pipe): with the interval at 0, a line
+    per audit (2 x 3 table rows, 6 x 3 sweep points) and one for the figures."""
     out = tmp_path / "schulman"
     proc = subprocess.run(
         [
             *(sys.executable, "-m", "klest.cli", "run", "schulman", "--quick", "--seed", "3"),
-            *("--out", str(out), "--no-progress"),
+            *("--out", str(out), "--progress"),
         ],
         capture_output=True,
         text=True,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},  # 2 shared cores: no oversubscription
+        # 2 shared cores: no oversubscription. A progress line at every update.
+        env={**os.environ, "OMP_NUM_THREADS": "1", "KLEST_PROGRESS_INTERVAL": "0"},
         timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
+    assert assert_reports_every_unit(proc.stderr, "schulman") == (2 + 6) * 3 + 1
     result = json.loads((out / "result.json").read_text())
     assert result["seed"] == 3 and result["quick"] is True
     rows = {(s["mu"], r["estimator"]): r for s in result["settings"] for r in s["rows"]}
@@ -113,7 +120,7 @@ def _value_and_se(cell: str) -> tuple[float, float]:
     return float(value), float(se)
 
 
-def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys):
+def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys, monkeypatch):
     """``klest audit --quick``: every value estimator on every testbed, @sequence rows on the
     tabular testbed, and the mean / EMA baselines in the gradient tables.
 
@@ -122,10 +129,15 @@ def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys):
     KL, and their measured bias is within z standard errors. ``+mean`` scales the expected
     gradient by 1 - 1/8 (batches of 8): its regression coefficient on the claimed KL's gradient
     must be within z of its standard errors of 0.875. z: Bonferroni at ``RATE`` (6.3e-5) over
-    these 12 two-sided comparisons (10 @sequence rows, 2 coefficients): 4.55.
+    these 12 two-sided comparisons (10 @sequence rows, 2 coefficients): 4.55. Progress (by
+    default, on a standard error that is not a terminal): a line per audit at interval 0.
     """
+    monkeypatch.setenv("KLEST_PROGRESS_INTERVAL", "0")
     assert main(["audit", "--quick"]) == 0
-    text = capsys.readouterr().out
+    captured = capsys.readouterr()
+    text = captured.out
+    audits = 2 * (3 * len(VALUE_AUDIT) + len(SEQUENCE_VALUE_AUDIT)) + 4 * len(TOPK_AUDIT)
+    assert assert_reports_every_unit(captured.err, "klest audit") > audits  # and the gradients
     z = z_for(RATE, 2 * len(SEQUENCE_VALUE_AUDIT) + 2)
     for spec in VALUE_AUDIT:
         rows = _table_rows(text, spec)
@@ -160,3 +172,52 @@ def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys):
 def test_unknown_experiment_exits_with_a_message():
     with pytest.raises(SystemExit, match="unknown experiment 'nope'"):
         main(["run", "nope", "--quick"])
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    (sub,) = [a for a in _parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return dict(sub.choices)
+
+
+def test_every_option_has_help_text():
+    """Every argument and option of every command says what it does in ``--help``."""
+    commands = _subparsers()
+    assert set(commands) == {"list", "run", "audit", "demo"}
+    for name, parser in commands.items():
+        for action in parser._actions:
+            assert action.help and action.help.strip(), (name, action.option_strings)
+
+
+@pytest.mark.parametrize("command", [[], ["run"], ["audit"], ["demo"], ["list"]])
+def test_help_is_plain_text(command, capsys):
+    """``klest [COMMAND] --help`` prints plain text: a description, no reST markup (double
+    backticks, roles such as :func:) and no markdown code spans."""
+    with pytest.raises(SystemExit) as exit_:
+        main([*command, "--help"])
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith("usage: klest")
+    assert len(text.split("\n\n")[1]) > 40, text  # a description paragraph
+    assert "`" not in text and not re.search(r":(func|class|mod|meth|doc|data):", text), text
+
+
+def test_demo_announces_each_experiment_and_passes_progress_on(monkeypatch, capsys):
+    """``klest demo`` says on standard error which experiment runs (i of n) before running it,
+    each with progress on (and off with --no-progress)."""
+    from klest import cli
+
+    calls = []
+
+    def fake(name, *, quick, seed, out, progress):
+        calls.append((name, quick, progress, capsys.readouterr().err))
+        return True
+
+    monkeypatch.setattr(cli, "_run_experiment", fake)
+    assert main(["demo", "--quick"]) == 0
+    assert calls == [
+        (name, True, True, f"klest demo: {i}/{len(cli.DEMO)} {name}\n")
+        for i, name in enumerate(cli.DEMO, 1)
+    ]
+    calls.clear()
+    assert main(["demo", "--no-progress"]) == 0
+    assert calls == [(name, False, False, "") for name in cli.DEMO]

@@ -239,3 +239,41 @@ def test_recorded_results_keep_seven_significant_digits_and_name_what_is_left_ou
         },
     }
     assert (tmp_path / "out" / "demo-table.md").read_text() == "| a |\n"
+
+
+def test_offline_check_finds_remote_assets_and_missing_mathjax(tmp_path, monkeypatch):
+    """docs/check_offline.py, which ``make docs`` runs over the built site: a page with math
+    that loads MathJax from the site passes; one loading it (or a stylesheet) from another host,
+    or naming a MathJax file the site lacks, is reported."""
+    monkeypatch.syspath_prepend(str(ROOT / "docs"))
+    check_offline = importlib.import_module("check_offline")
+    math = '<span class="math notranslate nohighlight">\\(x^2\\)</span>'
+    (tmp_path / "_static/mathjax").mkdir(parents=True)
+    (tmp_path / "_static/mathjax/tex-chtml.js").write_text("")
+    (tmp_path / "api").mkdir()
+    pages = {
+        "good.html": '<script defer src="_static/mathjax/tex-chtml.js"></script>' + math,
+        "api/good.html": '<script src="../_static/mathjax/tex-chtml.js"></script>' + math,
+        "plain.html": '<link rel="stylesheet" href="_static/furo.css"><p>no math</p>',
+        "cdn.html": '<script src="https://cdn.example/mathjax.js"></script>' + math,
+        "font.html": '<link rel="stylesheet" href="//fonts.example/a.css">',
+        "lost.html": '<script src="mathjax/tex-chtml.js"></script>' + math,
+    }
+    for name, body in pages.items():
+        (tmp_path / name).write_text(f"<html><body>{body}</body></html>")
+    assert check_offline.problems(tmp_path) == [
+        "cdn.html: loads https://cdn.example/mathjax.js from another host",
+        "cdn.html: has math but loads no MathJax from the site",
+        "font.html: loads //fonts.example/a.css from another host",
+        "lost.html: mathjax/tex-chtml.js is not in the site",
+    ]
+
+
+def test_docs_ship_mathjax():
+    """docs/conf.py loads sphinx-mathjax-offline, whose MathJax (script and fonts) the build
+    copies into the site's _static: the math renders without a network."""
+    conf = (ROOT / "docs" / "conf.py").read_text()
+    assert '"sphinx-mathjax-offline"' in conf
+    package = Path(importlib.import_module("sphinx-mathjax-offline").__file__).parent
+    assert (package / "static/mathjax/tex-chtml.js").is_file()
+    assert (package / "static/mathjax/output/chtml/fonts/woff-v2").is_dir()

@@ -1,12 +1,14 @@
 """The library works without its optional dependencies; the experiments say what to install.
 
 matplotlib and tqdm are the ``klest[experiments]`` extra: ``import klest`` must not load them,
-progress bars must silently disappear without tqdm, and ``klest run`` without matplotlib must
-say which extra to install.
+progress bars must fall back to plain lines without tqdm, and ``klest run`` without matplotlib
+must say which extra to install.
 """
 
 from __future__ import annotations
 
+import io
+import os
 import subprocess
 import sys
 
@@ -40,7 +42,7 @@ def test_import_klest_loads_neither_matplotlib_nor_tqdm():
 
 def test_the_library_and_its_progress_bars_work_without_tqdm_or_matplotlib():
     """A fresh interpreter where neither imports (as if not installed): audits with progress
-    bars asked for run, and show nothing."""
+    bars asked for run, and report in plain lines (one per update: interval 0), nothing else."""
     code = (
         "import sys\n"
         f"for name in {OPTIONAL!r} + ('tqdm.auto', 'matplotlib.pyplot'):\n"
@@ -53,9 +55,16 @@ def test_the_library_and_its_progress_bars_work_without_tqdm_or_matplotlib():
         "g = klest.audit_grad('k3/pathwise', tb, batch_size=4, n_trials=5, progress=True)\n"
         "assert a.n_draws == 20 and b.n_draws == 5 and g.n_trials == 5\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    env = {**os.environ, "KLEST_PROGRESS_INTERVAL": "0"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stderr == ""  # no bar, no warning
+    counts = [line.rsplit(", ", 1)[0] for line in done.stderr.splitlines()]  # less the time
+    # k3: one block of draws; cv:ema: 5 trials one by one; the gradient: 5 trials.
+    assert counts == [
+        "audit k3: 1/1 (100%)",
+        *(f"audit cv:ema: {i}/5 ({20 * i}%)" for i in range(1, 6)),
+        *(f"audit k3/pathwise: {i}/5 ({20 * i}%)" for i in range(1, 6)),
+    ], done.stderr  # no warning
 
 
 def test_progress_bar_without_tqdm_iterates_updates_and_closes(monkeypatch):
@@ -69,11 +78,17 @@ def test_progress_bar_without_tqdm_iterates_updates_and_closes(monkeypatch):
         iter(progress_bar(total=3, desc="x"))
 
 
-def test_progress_bar_is_tqdm_when_installed_and_enabled():
+def test_progress_bar_is_tqdm_on_a_terminal_when_installed_and_enabled(monkeypatch):
     tqdm = pytest.importorskip("tqdm.auto").tqdm
+    monkeypatch.setattr(sys, "stderr", _Terminal())
     bar = progress_bar(range(3), desc="x", enabled=True)
     assert isinstance(bar, tqdm) and list(bar) == [0, 1, 2]
     assert not isinstance(progress_bar(range(3), desc="x", enabled=False), tqdm)
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
 
 
 def test_audits_with_and_without_progress_bars_agree():

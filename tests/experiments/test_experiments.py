@@ -6,8 +6,11 @@ numbers in result.json (the claims are restated from the seeds, not read from th
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
+import os
 from statistics import NormalDist
 
 import mpmath
@@ -17,15 +20,37 @@ import torch
 
 from klest.audit import audit_value
 from klest.cli import main
+from tests._figures import figures_checked
+from tests._progress import assert_reports_every_unit
 from tests._stats import RATE, Z, assert_failures_consistent, t_for, z_for
 
 
 def run_quick(name: str, tmp_path) -> dict:
+    """``klest run NAME --quick --progress`` with standard error captured (not a terminal) and
+    a progress line at every update: the experiment's bar reports each of its units, and its
+    figures have no overlapping tick labels, no two legend entries alike, no legend over data."""
     out = tmp_path / name
-    assert main(["run", name, "--quick", "--out", str(out), "--no-progress"]) == 0
+    err = io.StringIO()
+    with _every_update(), figures_checked(), contextlib.redirect_stderr(err):
+        assert main(["run", name, "--quick", "--out", str(out), "--progress"]) == 0
+    assert_reports_every_unit(err.getvalue(), name)
     assert (out / "table.md").stat().st_size > 100
     assert list(out.glob("*.png")), "no plot written"
     return json.loads((out / "result.json").read_text())
+
+
+@contextlib.contextmanager
+def _every_update():
+    """KLEST_PROGRESS_INTERVAL=0 for the block: a progress line at every update."""
+    old = os.environ.get("KLEST_PROGRESS_INTERVAL")
+    os.environ["KLEST_PROGRESS_INTERVAL"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["KLEST_PROGRESS_INTERVAL"]
+        else:
+            os.environ["KLEST_PROGRESS_INTERVAL"] = old
 
 
 # Two-sided false-fail rate of one comparison at Z = 4 standard errors (normal).

@@ -21,6 +21,7 @@ import pytest
 
 from klest.cli import main
 from klest.experiments.lm_gradients import ESTIMATORS, REGIMES, estimators_for
+from tests._figures import figures_checked
 from tests._stats import RATE, z_for
 
 pytest.importorskip("transformers")
@@ -34,7 +35,8 @@ BIASED = ("k3/autodiff", "k3/token")
 @pytest.fixture(scope="module")
 def result(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("lm-gradients")
-    assert main(["run", "lm-gradients", "--quick", "--out", str(out), "--no-progress"]) == 0
+    with figures_checked():
+        assert main(["run", "lm-gradients", "--quick", "--out", str(out), "--no-progress"]) == 0
     assert (out / "table.md").stat().st_size > 1000
     assert (out / "mse_and_bias.png").stat().st_size > 10_000
     return json.loads((out / "result.json").read_text())

@@ -23,6 +23,7 @@ import klest
 from klest.cli import main
 from klest.experiments.migration import batch_of
 from klest.integrations.migration import OPTIONS, Batch, KLCall
+from tests._figures import figures_checked
 from tests._stats import RATE, z_for
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -301,7 +302,7 @@ def test_docs_page_shows_every_option_call():
     page = (ROOT / "docs" / "migration.md").read_text()
     for o in OPTIONS:
         for text in (o.call.text(o.reduction), o.intended.text()):
-            assert text.replace("|", "\\|") in page, f"{o.key}: {text} not in docs/migration.md"
+            assert f"`{text}`" in page, f"{o.key}: {text} not in docs/migration.md"
 
 
 def test_batch_of_gives_equal_groups():
@@ -315,7 +316,8 @@ def test_batch_of_gives_equal_groups():
 @pytest.fixture(scope="module")
 def quick(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("migration")
-    assert main(["run", "migration", "--quick", "--out", str(out), "--no-progress"]) == 0
+    with figures_checked():
+        assert main(["run", "migration", "--quick", "--out", str(out), "--no-progress"]) == 0
     assert (out / "table.md").stat().st_size > 1000 and list(out.glob("*.png"))
     return json.loads((out / "result.json").read_text())
 

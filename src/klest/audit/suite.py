@@ -23,10 +23,12 @@ of their own means; ``half-abs-ratio`` and ``k3`` are unbiased in value and grad
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 
+from klest._progress import progress_bar
 from klest.audit.core import audit_grad, audit_value, format_grad_audits, format_value_audits
 from klest.logits.topk import kl_from_topk
 from klest.sampled.estimators import f_divergence, kl_estimate
@@ -180,11 +182,18 @@ def topk_audit_section(*, quick: bool = False, seed: int = 0, progress: bool = F
     Args:
       quick: 100 value trials and 150 gradient trials instead of 2000 each.
       seed: seeds the testbed and the sampling.
-      progress: show progress bars (when tqdm is installed).
+      progress: report progress on standard error (see :func:`run_audit_suite`).
 
     Returns:
       Markdown: one value table, then one gradient table per direction.
     """
+    total = 4 * len(TOPK_AUDIT)
+    with progress_bar(total=total, desc="top-k audit", enabled=progress) as bar:
+        return _topk_section(quick=quick, seed=seed, progress=progress, bar=bar)
+
+
+def _topk_section(*, quick: bool, seed: int, progress: bool, bar: Any) -> str:
+    """:func:`topk_audit_section`, advancing ``bar`` by one per audit (4 per estimator)."""
     k = 6
     testbed = CategoricalTestbed.random(64, scale=2.0, seed=seed)
     trials, grad_trials = (100, 150) if quick else (2000, 2000)
@@ -196,7 +205,9 @@ def topk_audit_section(*, quick: bool = False, seed: int = 0, progress: bool = F
             fn = topk_estimate_fn(est, testbed, k=k, direction=direction)
             if audit is audit_grad:
                 fn = _batch_mean(fn)
+            bar.set_postfix_str(f"topk:{est} {'value' if audit is audit_value else 'gradient'}")
             out.append(audit(fn, testbed, direction=direction, seed=seed, progress=progress, **kw))
+            bar.update(1)
         return out
 
     values = [
@@ -234,7 +245,8 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
     Args:
       quick: 200 value trials and 300 gradient trials instead of 2000 each.
       seed: seeds the random testbeds and every audit's sampling.
-      progress: show progress bars (when tqdm is installed).
+      progress: report progress on standard error: a bar (tqdm, on a terminal) or a line every
+        few seconds, counting the audits done (and the trials of the running one).
 
     Returns:
       Markdown: a value table, then one gradient table per direction.
@@ -244,6 +256,25 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
         CategoricalTestbed.random(6, scale=1.0, seed=seed),
         TabularAutoregressive.random(3, 4, eos=2, seed=seed),
     ]
+    n_values = sum(
+        2 * (len(VALUE_AUDIT) + len(SEQUENCE_VALUE_AUDIT) * isinstance(tb, TabularAutoregressive))
+        for tb in testbeds
+    )
+    n_grads = sum(map(len, GRAD_AUDIT.values())) + 2 * len(REPARAMETERIZED_GRAD_AUDIT)
+    total = n_values + n_grads + 4 * len(TOPK_AUDIT)
+    with progress_bar(total=total, desc="klest audit", enabled=progress) as bar:
+        return _suite(testbeds, quick=quick, seed=seed, progress=progress, bar=bar)
+
+
+def _suite(testbeds: list, *, quick: bool, seed: int, progress: bool, bar: Any) -> str:
+    """:func:`run_audit_suite` on ``testbeds``, advancing ``bar`` by one per audit."""
+
+    def step(label: str, audit: Callable, *args: Any, **kw: Any) -> Any:
+        bar.set_postfix_str(label)
+        out = audit(*args, seed=seed, progress=progress, **kw)
+        bar.update(1)
+        return out
+
     trials = 200 if quick else 2000
     audits = []
     for tb in testbeds:
@@ -253,15 +284,15 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
         for direction in ("pi||ref", "ref||pi"):
             for spec, level in plan:
                 audits.append(
-                    audit_value(
+                    step(
+                        f"{spec} {tb.name} {direction}",
+                        audit_value,
                         spec,
                         tb,
                         direction=direction,
                         level=level,
                         batch_size=16,
                         n_trials=trials,
-                        seed=seed,
-                        progress=progress,
                     )
                 )
     parts = [
@@ -274,14 +305,14 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
     grad_trials = 300 if quick else 2000
     for direction, specs in GRAD_AUDIT.items():
         grads = [
-            audit_grad(
+            step(
+                f"{spec} {direction}",
+                audit_grad,
                 spec,
                 tabular,
                 direction=direction,
                 batch_size=8,
                 n_trials=grad_trials,
-                seed=seed,
-                progress=progress,
             )
             for spec in specs
         ]
@@ -294,14 +325,14 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
     gaussian = GaussianTestbed(mean=0.3, log_std=0.1, mean_ref=0.0, log_std_ref=0.0, dim=4)
     for direction in ("pi||ref", "ref||pi"):
         grads = [
-            audit_grad(
+            step(
+                f"{spec} {direction}",
+                audit_grad,
                 spec,
                 gaussian,
                 direction=direction,
                 batch_size=8,
                 n_trials=grad_trials,
-                seed=seed,
-                progress=progress,
             )
             for spec in REPARAMETERIZED_GRAD_AUDIT
         ]
@@ -312,7 +343,7 @@ def run_audit_suite(*, quick: bool = False, seed: int = 0, progress: bool = Fals
             f"{grad_trials} trials)\n\n"
         )
         parts.append(format_grad_audits(grads) + "\n")
-    parts.append(topk_audit_section(quick=quick, seed=seed, progress=progress))
+    parts.append(_topk_section(quick=quick, seed=seed, progress=progress, bar=bar))
     parts.append(trust_region_audit_section(quick=quick, seed=seed, progress=progress))
     return "".join(parts)
 

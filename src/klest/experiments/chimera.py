@@ -119,8 +119,12 @@ def _variance_run(config: RunConfig) -> Report:
     dims = (1, 10, 100, 1000) if config.quick else (1, 10, 50, 100, 500, 1000, 2000, 5000)
     trials = 100 if config.quick else 300
     rows = []
+    bar = progress_bar(
+        total=len(dims) * len(ESTIMATORS), desc="chimera-variance", enabled=config.progress
+    )
     for dim in dims:
         row = {"D": dim}
+        bar.set_postfix_str(f"D = {dim}")
         for e in ESTIMATORS:
             testbed = GaussianTestbed.chimera(dim, MU0)
             draws = gradient_draws(
@@ -129,13 +133,17 @@ def _variance_run(config: RunConfig) -> Report:
                 batch_size=BATCH,
                 n_trials=trials,
                 seed=config.seed + dim,
+                progress=config.progress,  # at D = 5000 one estimator's draws take seconds
+                label=e,
             )
             per_coord = draws[:, :dim].var(0)  # gradients w.r.t. mu only
             row[e] = {
                 "monte_carlo": float(per_coord.mean()),
                 "closed_form": closed_form_variance(e, dim),
             }
+            bar.update(1)
         rows.append(row)
+    bar.close()
     table = [
         "| D | " + " | ".join(f"{e} MC | {e} closed form" for e in ESTIMATORS) + " |",
         "|---|" + "---|---|" * len(ESTIMATORS),
@@ -179,7 +187,7 @@ def _variance_figure(rows: list[dict]):
 
     dims = np.array([r["D"] for r in rows])
     grid = np.geomspace(dims.min(), dims.max(), 200)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(9, 4.5), layout="constrained")
     for e in ESTIMATORS:
         # k1 and chimera have identical gradients: k1 drawn as larger hollow markers.
         hollow = {"mfc": "none", "ms": 10} if e == "k1" else {"ms": 5}
@@ -206,8 +214,7 @@ def _variance_figure(rows: list[dict]):
         ylabel="per-coordinate gradient variance",
         title=f"Gradient variance vs D (B={BATCH}, mu={MU0}; 0 drawn at {PLOT_FLOOR:g})",
     )
-    ax.legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(*ax.get_legend_handles_labels(), loc="outside right upper", fontsize=7)
     return fig
 
 
@@ -218,7 +225,10 @@ def _training_run(config: RunConfig) -> Report:
     every = max(1, steps // 100)
     curves = {}
     jobs = [(d, e) for d in dims for e in ESTIMATORS]
-    for dim, e in progress_bar(jobs, desc="chimera-training", enabled=config.progress):
+    # One unit per Adam step: a job at D = 5000 takes seconds.
+    bar = progress_bar(total=len(jobs) * steps, desc="chimera-training", enabled=config.progress)
+    for dim, e in jobs:
+        bar.set_postfix_str(f"D = {dim}, {e}")
         testbed = GaussianTestbed.chimera(dim, MU0)
         opt = torch.optim.Adam([testbed.mean], lr=0.02)
         gen = make_generator(config.seed)
@@ -232,6 +242,7 @@ def _training_run(config: RunConfig) -> Report:
             if step % every == 0 or step == steps - 1:
                 kl.append(float(testbed.exact_kl().detach()))
                 value.append(float(out.detach()))
+            bar.update(1)
         curves[f"{dim}/{e}"] = {
             "D": dim,
             "estimator": e,
@@ -239,6 +250,7 @@ def _training_run(config: RunConfig) -> Report:
             "loss": value,
             "initial_kl": dim * MU0 * MU0 / 2,
         }
+    bar.close()
     table = [
         "| D | initial KL | " + " | ".join(f"final KL: {e}" for e in ESTIMATORS) + " |",
         "|---|---|" + "---|" * len(ESTIMATORS),
@@ -268,7 +280,9 @@ def _training_figure(curves: dict, dims: tuple[int, ...], every: int):
 
     cols = min(3, len(dims))
     rows = math.ceil(len(dims) / cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(4.2 * cols, 3.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, cols, figsize=(4.2 * cols + 1.5, 3.4 * rows), squeeze=False, layout="constrained"
+    )
     for ax, dim in zip(axes.flat, dims, strict=False):
         for e in ESTIMATORS:
             kl = curves[f"{dim}/{e}"]["exact_kl"]
@@ -276,10 +290,9 @@ def _training_figure(curves: dict, dims: tuple[int, ...], every: int):
             style = {"ls": "--", "lw": 3} if e == "k1" else {"lw": 1.3}
             ax.plot(np.arange(len(kl)) * every, kl, color=COLORS[e], label=e, **style)
         ax.set(yscale="log", title=f"D = {dim}", xlabel="step", ylabel="exact KL(pi||ref)")
-    axes.flat[0].legend(fontsize=7)
+    fig.legend(*axes.flat[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     for ax in list(axes.flat)[len(dims) :]:
         ax.axis("off")
-    fig.tight_layout()
     return fig
 
 

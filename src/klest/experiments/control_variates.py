@@ -30,6 +30,7 @@ import math
 import numpy as np
 import torch
 
+from klest._progress import progress_bar
 from klest.audit import audit_value
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot, table_threshold
 from klest.sampled.estimators import cv
@@ -45,9 +46,10 @@ def _testbed(s: float) -> GaussianTestbed:
     return GaussianTestbed(mean=0.0, log_std=0.0, mean_ref=MEAN_REF, log_std_ref=math.log(s))
 
 
-def _row(s: float, trials: int, seed: int, flag_z: float) -> dict:
+def _row(s: float, trials: int, seed: int, flag_z: float, progress: bool = False) -> dict:
     """Every estimator's bias and spread at ref std ``s``, and alpha* from a large sample; a bias
-    beyond ``flag_z`` standard errors is flagged significant."""
+    beyond ``flag_z`` standard errors is flagged significant (``progress``: count each audit's
+    trials, seconds each at full size)."""
     testbed = _testbed(s)
     with torch.no_grad():
         big = testbed.sample(200_000, generator=make_generator(seed + 1))
@@ -64,7 +66,13 @@ def _row(s: float, trials: int, seed: int, flag_z: float) -> dict:
     }
     for e in ESTIMATORS:
         a = audit_value(
-            e, testbed, batch_size=BATCH, n_trials=trials, seed=seed, z_threshold=flag_z
+            e,
+            testbed,
+            batch_size=BATCH,
+            n_trials=trials,
+            seed=seed,
+            z_threshold=flag_z,
+            progress=progress,
         )
         row["estimators"][e] = {
             "bias": a.bias,
@@ -135,7 +143,8 @@ def run(config: RunConfig) -> Report:
     )
     trials = 400 if config.quick else 4000
     flag_z = table_threshold(len(scales) * len(ESTIMATORS))
-    rows = [_row(s, trials, config.seed, flag_z) for s in scales]
+    bar = progress_bar(scales, desc="control-variates", enabled=config.progress)
+    rows = [_row(s, trials, config.seed, flag_z, config.progress) for s in bar]
     return Report(
         results={
             "experiment": "control-variates",
@@ -157,7 +166,7 @@ def _figure(rows: list[dict]):
     plt = pyplot()
 
     s = np.array([r["ref_std"] for r in rows])
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.4), layout="constrained")
     cmap = plt.get_cmap("tab10")
     for i, e in enumerate(ESTIMATORS):
         kl = np.array([r["exact_kl"] for r in rows])
@@ -181,8 +190,12 @@ def _figure(rows: list[dict]):
     axes[1].set(xlabel="ref std s", ylabel="bias / KL", title="Bias ± se")
     axes[1].axhline(0, color="k", lw=0.5)
     axes[2].set(xlabel="ref std s", ylabel="alpha*", title="Fitted coefficient (large sample)")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    fig.legend(
+        *axes[0].get_legend_handles_labels(),
+        loc="outside lower center",
+        ncol=len(ESTIMATORS),
+        fontsize=8,
+    )
     return fig
 
 

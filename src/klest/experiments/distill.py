@@ -492,7 +492,9 @@ def _figures(runs: dict) -> dict:
     plt = pyplot()
     cmap = plt.get_cmap("tab10")
     colors = {m.name: cmap(i) for i, m in enumerate(METHODS)}
-    fig, axes = plt.subplots(2, len(runs), figsize=(6 * len(runs), 8), squeeze=False)
+    fig, axes = plt.subplots(
+        2, len(runs), figsize=(6 * len(runs) + 1.5, 8), squeeze=False, layout="constrained"
+    )
     for col, (start, methods) in enumerate(runs.items()):
         for row, (key, title) in enumerate(
             (("kl", "KL(pi||ref), student samples"), ("kl_rev", "KL(ref||pi), teacher samples"))
@@ -507,9 +509,8 @@ def _figures(runs: dict) -> dict:
                 ax.plot(steps, curve, style, color=colors[m.name], label=m.name)
                 ax.fill_between(steps, curve - se, curve + se, color=colors[m.name], alpha=0.15)
             ax.set(xlabel="step", ylabel="nats", yscale="log", title=f"{start}: {title}")
-    axes[0, 0].legend(fontsize=7)
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     fig.suptitle("On-policy distillation: held-out KL over steps (mean over seeds)")
-    fig.tight_layout()
     return {"kl_curves": fig}
 
 

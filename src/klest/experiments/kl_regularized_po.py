@@ -184,17 +184,20 @@ def policy_loss(
 
 
 def gradient_noise(
-    policy: Any, ref: Any, *, beta: float, sizes: Sizes, seed: int
+    policy: Any, ref: Any, *, beta: float, sizes: Sizes, seed: int, progress: bool = False
 ) -> dict[str, float]:
     """The total variance (the sum over pi's parameters of each coordinate's variance across
     ``sizes.noise_draws`` independent training batches) of the parts of the training gradient
     at ``policy``: the reward term's (``"reward"``), beta times each estimator's KL term's
     (``"kl/mc"``, ``"kl/rb"``), and each arm's whole gradient (``"total/mc"``, ``"total/rb"``),
-    all from the same batches."""
+    all from the same batches. ``progress``: count the batches (seconds each at full size)."""
     params = list(policy.parameters())
     group = torch.arange(sizes.prompts).repeat_interleave(sizes.samples)
     draws: dict[str, list[Tensor]] = {"reward": []}
-    for d in range(sizes.noise_draws):
+    batches = progress_bar(
+        range(sizes.noise_draws), desc="gradient noise", leave=False, enabled=progress
+    )
+    for d in batches:
         gen = _generator(seed, d, 2)
         rows = prompts(sizes.prompts, generator=gen).repeat_interleave(sizes.samples, 0)
         batch = sample_completions(policy, rows, generator=gen)
@@ -538,7 +541,7 @@ def _run(ref: Any, sizes: Sizes, config: RunConfig) -> Report:
                     runs[beta][est].append(record)
                     if s == 0:
                         noise[beta][est] = gradient_noise(
-                            policy, ref, beta=beta, sizes=sizes, seed=seed
+                            policy, ref, beta=beta, sizes=sizes, seed=seed, progress=config.progress
                         )
     stats = _final_stats(runs)
     frontier = _frontier(runs)

@@ -132,6 +132,7 @@ def _audit(config: RunConfig, trials: int, bar) -> dict:
                     batch_size=BATCH,
                     n_trials=trials,
                     seed=config.seed,
+                    progress=config.progress,  # an audit takes seconds: report its batches
                 )
                 norm2 = a.exact_norm**2
                 rows[spec] = {

@@ -75,7 +75,7 @@ from klest.experiments.reviews import (
     NEUTRAL,
     sample_reviews,
 )
-from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
+from klest.experiments.runner import Experiment, Report, RunConfig, pyplot, series_styles
 from klest.experiments.small_lms import (
     MAX_LENGTH,
     REFERENCE,
@@ -203,8 +203,11 @@ def _evaluate(policy: Any, ref: Any, batch: Batch) -> tuple[Tensor, Tensor, Tens
     return logp, logp_ref, logits, logits_ref
 
 
-def _value_study(policy, ref, prompt_sets, sizes, gen, bar) -> tuple[dict, dict, dict]:
-    """Per-prompt reference, and per-prompt / per-draw estimates for each M."""
+def _value_study(
+    policy, ref, prompt_sets, sizes, gen, bar, progress: bool = False
+) -> tuple[dict, dict, dict]:
+    """Per-prompt reference, and per-prompt / per-draw estimates for each M (``progress``: count
+    the positions of each sampling pass, minutes at full size)."""
     reference: dict[str, list] = {"mean": [], "se": []}
     values: dict[int, dict[str, list]] = {m: {e: [] for e in ESTIMATORS} for m in MS}
     timing: dict[str, list[float]] = {
@@ -214,7 +217,10 @@ def _value_study(policy, ref, prompt_sets, sizes, gen, bar) -> tuple[dict, dict,
         n_p = prompts.shape[0]
         # Reference: independent samples, rb per sequence.
         batch = sample_completions(
-            policy, prompts.repeat_interleave(sizes.reference_samples, 0), generator=gen
+            policy,
+            prompts.repeat_interleave(sizes.reference_samples, 0),
+            generator=gen,
+            progress=progress,
         )
         logp, logp_ref, logits, logits_ref = _evaluate(policy, ref, batch)
         rb = kl_estimate(
@@ -230,9 +236,8 @@ def _value_study(policy, ref, prompt_sets, sizes, gen, bar) -> tuple[dict, dict,
         reference["se"].append(rb.std(-1) / math.sqrt(rb.shape[1]))
         bar.update(1)
         # The M-sample estimates, from other samples.
-        batch = sample_completions(
-            policy, prompts.repeat_interleave(sizes.completions, 0), generator=gen
-        )
+        rows = prompts.repeat_interleave(sizes.completions, 0)
+        batch = sample_completions(policy, rows, generator=gen, progress=progress)
         start = time.perf_counter()
         logp, logp_ref, logits, logits_ref = _evaluate(policy, ref, batch)
         timing["forward passes (both models)"].append((time.perf_counter() - start) / len(logp))
@@ -408,14 +413,18 @@ def _table(summary: dict, grads: dict, timing: dict, kl: dict) -> str:
 
 def _figures(summary: dict) -> dict:
     plt = pyplot()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4), layout="constrained")
+    # A colour and a marker each: mc and cv_batch coincide here, and both stay visible.
+    styles = series_styles(ESTIMATORS)
     for e in ESTIMATORS:
         sd = [summary[m][e]["sd"] for m in MS]
-        axes[0].plot(MS, sd, marker="o", label=e)
+        axes[0].plot(MS, sd, ms=6, mfc="none", label=e, **styles[e])
         bias = [summary[m][e]["bias"] for m in MS]
         se = [summary[m][e]["bias_se"] for m in MS]
         offset = 0.12 * (ESTIMATORS.index(e) - 2)
-        axes[1].errorbar(np.array(MS) + offset, bias, yerr=se, fmt="o", capsize=3, label=e)
+        axes[1].errorbar(
+            np.array(MS) + offset, bias, yerr=se, ls="none", capsize=3, label=e, **styles[e]
+        )
     axes[0].set(
         xscale="log",
         yscale="log",
@@ -432,8 +441,7 @@ def _figures(summary: dict) -> dict:
     )
     axes[1].set_yscale("symlog", linthresh=0.1)
     axes[1].set_xticks(MS, [str(m) for m in MS])
-    axes[0].legend(fontsize=8)
-    fig.tight_layout()
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside right upper", fontsize=8)
     return {"sd_and_bias_vs_m": fig}
 
 
@@ -471,7 +479,9 @@ def _run(ref: Any, policy: Any, sizes: Sizes, config: RunConfig) -> Report:
     prompt_sets = _prompts(sizes.prompts, config.seed + 3)
     total = 2 * len(prompt_sets) + sizes.grad_draws
     with progress_bar(total=total, desc="rb-vs-mc", enabled=config.progress) as bar:
-        reference, values, timing = _value_study(policy, ref, prompt_sets, sizes, gen, bar)
+        reference, values, timing = _value_study(
+            policy, ref, prompt_sets, sizes, gen, bar, config.progress
+        )
         grad_prompts = prompt_sets[0][: sizes.grad_prompts]
         grads = _gradient_study(policy, ref, grad_prompts, sizes, gen, bar)
     summary = _summaries(reference, values)

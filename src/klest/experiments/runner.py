@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import NormalDist
@@ -91,6 +91,48 @@ def pyplot() -> ModuleType:
     return plt
 
 
+# Series colours: tab10's ten, then four chosen to stand apart from them, from black (left for
+# references) and from white (each at least 39 CIELAB units from all of those; tab10's closest
+# pair is 28 apart).
+SERIES_COLORS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:gray",
+    "tab:olive",
+    "tab:cyan",
+    "#8000ff",
+    "#000080",
+    "#ff00ff",
+    "#a6761d",
+)
+SERIES_MARKERS = ("o", "s", "^", "v", "D", "P", "X", "*", "<", ">", "h", "p", "d", "8")
+
+
+def series_styles(names: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """A colour and a marker for each of ``names``, as matplotlib keyword arguments, no two
+    alike: the 14 colours of :data:`SERIES_COLORS` with a marker each, then the same pairs again
+    with a dotted line.
+
+    Example:
+      >>> styles = series_styles([f"s{i}" for i in range(15)])
+      >>> len({(s["color"], s["marker"], s.get("ls", "-")) for s in styles.values()})
+      15
+    """
+    out = {}
+    for i, name in enumerate(names):
+        k = i % len(SERIES_COLORS)
+        style = {"color": SERIES_COLORS[k], "marker": SERIES_MARKERS[k]}
+        if i >= len(SERIES_COLORS):
+            style["ls"] = ":"
+        out[name] = style
+    return out
+
+
 def _jsonable(x: Any) -> Any:
     if isinstance(x, dict):
         return {str(k): _jsonable(v) for k, v in x.items()}
@@ -126,6 +168,7 @@ __all__ = [
     "Report",
     "RunConfig",
     "pyplot",
+    "series_styles",
     "table_threshold",
     "write_report",
 ]

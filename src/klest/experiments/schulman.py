@@ -20,10 +20,12 @@ Full size (10M samples per row, a sweep of 16 mus at 1M each): 10 s on a busy 2-
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 import torch
 
+from klest._progress import progress_bar
 from klest.audit import audit_value
 from klest.experiments.runner import (
     FALSE_ALARM,
@@ -120,7 +122,7 @@ def _table(settings: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _sweep(mus: np.ndarray, n: int, seed: int) -> dict:
+def _sweep(mus: np.ndarray, n: int, seed: int, bar: Any) -> dict:
     out = {
         e: {k: [] for k in ("bias_over_true", "bias_se", "stdev_over_true", "stdev_se")}
         for e in ESTIMATORS
@@ -130,6 +132,7 @@ def _sweep(mus: np.ndarray, n: int, seed: int) -> dict:
         true = float(mu) ** 2 / 2
         for e in ESTIMATORS:
             a = audit_value(e, testbed, batch_size=n, n_trials=1, seed=seed)
+            bar.update(1)
             for key, value in (
                 ("bias_over_true", a.bias),
                 ("bias_se", a.se_bias),
@@ -198,12 +201,22 @@ def _figures(settings: list[dict], mus: np.ndarray, sweep: dict, seed: int) -> d
 
 def run(config: RunConfig) -> Report:
     n = 400_000 if config.quick else 10_000_000
-    settings = []
-    for mu in MUS:
-        rows = [_row(e, mu, n, config.seed, config.progress) for e in ESTIMATORS]
-        settings.append({"mu": mu, "true_kl": mu * mu / 2, "rows": rows})
     mus = np.geomspace(0.05, 2.0, 6 if config.quick else 16)
-    sweep = _sweep(mus, 100_000 if config.quick else 1_000_000, config.seed)
+    settings = []
+    # One unit per audit (the table's rows, then the sweep's), one for the figures.
+    total = (len(MUS) + len(mus)) * len(ESTIMATORS) + 1
+    with progress_bar(total=total, desc="schulman", enabled=config.progress) as bar:
+        for mu in MUS:
+            rows = []
+            for e in ESTIMATORS:
+                rows.append(_row(e, mu, n, config.seed, config.progress))
+                bar.update(1)
+            settings.append({"mu": mu, "true_kl": mu * mu / 2, "rows": rows})
+        bar.set_postfix_str("sweep over mu")
+        sweep = _sweep(mus, 100_000 if config.quick else 1_000_000, config.seed, bar)
+        bar.set_postfix_str("figures")
+        figures = _figures(settings, mus, sweep, config.seed)
+        bar.update(1)
     reproduced = all(r["agrees"] for s in settings for r in s["rows"])
     results = {
         "experiment": "schulman",
@@ -224,7 +237,7 @@ def run(config: RunConfig) -> Report:
         else f"NOT reproduced: some entries are more than {AGREEMENT_SE:.2f} standard errors from "
         "the closed form."
     )
-    return Report(results, _table(settings), _figures(settings, mus, sweep, config.seed), summary)
+    return Report(results, _table(settings), figures, summary)
 
 
 EXPERIMENT = Experiment(

@@ -199,17 +199,24 @@ class Batch:
 
 @torch.no_grad()
 def sample_completions(
-    model: Any, prompts: Tensor, *, generator: torch.Generator, horizon: int = MAX_LENGTH
+    model: Any,
+    prompts: Tensor,
+    *,
+    generator: torch.Generator,
+    horizon: int = MAX_LENGTH,
+    progress: bool = False,
 ) -> Batch:
     """Complete each prompt ``[n, k]`` (all of length k) by sampling from ``model`` at
     temperature 1 with the whole distribution (no top-k, no top-p) up to ``horizon`` tokens;
-    tokens after ``<eos>`` are ``<pad>`` and masked out."""
+    tokens after ``<eos>`` are ``<pad>`` and masked out. ``progress``: count the positions
+    sampled (tens of thousands of rows take seconds a position)."""
     n, k = prompts.shape
     tokens = torch.full((n, horizon), PAD_ID, dtype=torch.long)
     tokens[:, :k] = prompts
     done = torch.zeros(n, dtype=torch.bool)
     mask = torch.zeros(n, horizon - k, dtype=torch.bool)
-    for t in range(k, horizon):
+    positions = progress_bar(range(k, horizon), desc="sampling", leave=False, enabled=progress)
+    for t in positions:
         logits = model(input_ids=tokens[:, :t]).logits[:, -1].double()
         nxt = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator)[:, 0]
         mask[:, t - k] = ~done

@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from klest._progress import progress_bar
 from klest.audit import TOPK_AUDIT
 from klest.experiments.runner import Experiment, Report, RunConfig
 from klest.logits.from_logits import kl_from_logits
@@ -121,11 +122,14 @@ def run(config: RunConfig) -> Report:
         "std / KL | grad bias / ‖∇KL‖ (noise) | grad var / ‖∇KL‖² |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    total = len(positions) * 2 * len(ks) * len(TOPK_AUDIT)
+    bar = progress_bar(total=total, desc="topk", enabled=config.progress)
     for kind, cells_of in positions.items():
         for direction in ("pi||ref", "ref||pi"):
             for k in ks:
                 for est in TOPK_AUDIT:
                     s = _summary([_measure(p, est, k, direction) for p in cells_of])
+                    bar.update(1)
                     results[f"{kind}/{direction}/k={k}/{est}"] = s
                     lines.append(
                         f"| {kind} | {k} | {s['teacher_mass']:.3f} / {s['student_mass']:.3f} | "
@@ -134,6 +138,7 @@ def run(config: RunConfig) -> Report:
                         f"{s['grad_rel_bias']:.3f} ({s['grad_noise']:.3f}) | "
                         f"{s['grad_rel_var']:.3g} |"
                     )
+    bar.close()
     table = "\n".join(lines) + "\n"
     return Report(
         results=results,
