@@ -197,6 +197,8 @@ PITFALLS_UNBIASED = (
     "k3/cumulative+loo-ema",
     "rb/rb",
 )
+
+
 def _pitfalls_claims(a: dict, n: str) -> tuple[list[float], list[float]]:
     """Part A's statistics at size ``n`` (first policy) that the pitfalls test asserts:
     (null: must stay at most the verdicts' threshold, detected: must exceed it).
