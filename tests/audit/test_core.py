@@ -403,7 +403,7 @@ def _simulated_false_alarms(lam, n, alphas, tiny, *, covariances, means, rng):
 @pytest.mark.calibration
 def test_mean_shift_z_false_alarm_rate_on_the_pitfalls_policies():
     """Under the null, P(z > Phi^-1(1 - alpha)) is within 2x of alpha at alpha = 1e-3 and 1e-4
-    (4e6 simulated nulls per size) and at the per-test rate of the pitfalls tables (by importance
+    (2e6 simulated nulls per size) and at the per-test rate of the pitfalls tables (by importance
     sampling); margin: measured ratios 0.9 to 1.1 at 1e-3 and 1e-4 (the counts' sd about 7% of
     nominal), 1.3 to 1.7 at the tables' rate."""
     from klest.experiments.pitfalls import REGIMES, _testbed
