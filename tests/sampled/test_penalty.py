@@ -1,7 +1,7 @@
 """kl_penalty: every gradient estimator's mean against the exact gradients of both KLs.
 
 Statistical rule (``tests/_stats.py``): z statistics of the squared distance between the mean
-gradient and a target (approximately N(0, 1) under the null, see ``klest.audit.mean_shift_z``)
+gradient and a target (N(0, 1) under the null, tail included: ``klest.audit.mean_shift_z``)
 compared with Z = 4 (one null comparison per test, one-sided: false-fail rate 3e-5), or with
 ``z_for(RATE, 1, two_sided=False)`` = 3.83 (rate 6.3e-5); where a test asserts that a target is
 *rejected* (z > threshold), the expected z is far above it (each test says by how much where

@@ -2,7 +2,7 @@
 graph, refusals and warnings; and the REINFORCE gradient of the reward against exact gradients.
 
 Statistical rule (``tests/_stats.py``): each gradient check is a ``mean_shift_z`` statistic
-(approximately N(0, 1) under its null; see ``klest.audit.mean_shift_z``), one-sided. A test
+(N(0, 1) under its null, tail included; see ``klest.audit.mean_shift_z``), one-sided. A test
 with m null comparisons uses ``z_for(RATE, m, two_sided=False)`` each (family false-fail rate
 ``RATE`` = 6.3e-5, Bonferroni). Where a test asserts that a target is *rejected*, the measured
 statistic is far above the threshold (each test says by how much). Seeds are fixed.

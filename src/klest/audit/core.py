@@ -6,7 +6,9 @@ applying the estimator to each, and comparing the draws with the exact KL:
 - ``mean``, ``bias = mean - exact`` and its standard error ``std / sqrt(n_draws)``;
 - ``std``, the spread of one draw, and the standard error of that std (delta method with the
   fourth central moment, so heavy tails widen it honestly);
-- ``z = bias / se_bias`` and ``significant = |z| > z_threshold``;
+- ``z = bias / se_bias`` and ``significant = |z| > z_threshold``; draws that never vary beyond
+  rounding are deterministic: std and se are 0, z is 0 when the mean is the exact KL to
+  rounding, else infinite, and the tables print ``exact``;
 - ``expected``: the estimator's exact mean where the testbed can compute it (biased estimators
   are checked against their own exact mean, not only against the KL).
 
@@ -24,12 +26,14 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
 from typing import get_args
 
+import numpy as np
 import torch
 from torch import Tensor
 
 from klest._checks import check_choice, check_direction
 from klest._progress import progress_bar
 from klest._types import AlphaFit, Baseline, Estimator
+from klest.audit._quadratic_forms import chi2_combination_log_tails, normal_upper_deviate
 from klest.sampled.baselines import BaselineEMA, LooScaleEMA
 from klest.sampled.control_variates import AlphaEMA
 from klest.sampled.estimators import kl_estimate
@@ -260,12 +264,18 @@ def audit_value(
             )
     exact = float(testbed.exact_kl(direction).detach())
     mean = float(values.mean())
-    std, se_std = _std_and_se(values)
-    se_bias = std / math.sqrt(values.numel())
     bias = mean - exact
-    # A (near-)deterministic estimator has se ~ 0: differences at rounding level are not bias.
-    se_floor = 1e-12 * max(abs(exact), abs(mean), 1e-300)
-    z = bias / max(se_bias, se_floor)
+    if values.numel() < 2:  # no spread to measure
+        std = se_std = se_bias = z = math.nan
+    elif _deterministic(values.reshape(-1, 1), torch.tensor([exact]))[0]:
+        # No spread beyond rounding: the estimate is exact or off, not a huge z.
+        std = se_std = se_bias = 0.0
+        off = abs(bias) > 1e-12 * max(abs(exact), abs(mean))
+        z = math.copysign(math.inf, bias) if off else 0.0
+    else:
+        std, se_std = _std_and_se(values)
+        se_bias = std / math.sqrt(values.numel())
+        z = bias / se_bias
     return ValueAudit(
         estimator=label,
         testbed=testbed.name,
@@ -281,6 +291,14 @@ def audit_value(
         z=z,
         significant=abs(z) > z_threshold,
     )
+
+
+def _z_cell(z: float, deterministic: bool, spec: str) -> str:
+    """A table's z: ``exact`` for deterministic draws that match (z = 0 there), ``inf`` for
+    deterministic ones that do not, else the number."""
+    if deterministic:
+        return "exact" if z == 0 else f"{z:+}".replace("+inf", "inf") + " (deterministic)"
+    return format(z, spec)
 
 
 def format_value_audits(audits: list[ValueAudit]) -> str:
@@ -301,7 +319,8 @@ def format_value_audits(audits: list[ValueAudit]) -> str:
         expected = "—" if a.expected is None else f"{a.expected:.5g}"
         rows.append(
             f"| {a.estimator} | {a.testbed} | KL({a.direction}) | {a.exact:.5g} | {expected} | "
-            f"{a.mean:.5g} | {a.bias:+.3g} ± {a.se_bias:.2g} | {a.z:+.2f} | {a.std:.4g} | "
+            f"{a.mean:.5g} | {a.bias:+.3g} ± {a.se_bias:.2g} | {_z_cell(a.z, a.std == 0, '+.2f')} "
+            f"| {a.std:.4g} | "
             f"{'yes' if a.significant else 'no'} |"
         )
     return head + "\n".join(rows) + "\n"
@@ -387,10 +406,10 @@ class GradAudit:
     ``rel_bias`` is ``|mean gradient - exact| / |exact|``, which includes the Monte Carlo noise of
     the mean (~ ``sqrt(variance / n_trials)``); ``rel_bias_debiased`` subtracts that noise in
     square (``|bias|^2 - variance / n_trials``, floored at 0). ``*_z`` (see
-    :func:`mean_shift_z`) are approximately N(0, 1) when the mean gradient equals the named
-    vector (the exact gradient of the target KL, of the other KL, or zero); values
-    above ``z_threshold`` reject it. ``coef_*`` regress the mean gradient on the two exact
-    gradients (None when those are nearly parallel).
+    :func:`mean_shift_z`) are N(0, 1), tail included, when the mean gradient equals the named
+    vector (the exact gradient of the target KL, of the other KL, or zero); values above
+    ``z_threshold`` reject it; ``variance`` is 0 for deterministic draws. ``coef_*`` regress
+    the mean gradient on the two exact gradients (None when those are nearly parallel).
 
     ``mean_grad`` (the mean of the draws), ``bias`` (``mean_grad`` minus the exact gradient of
     the claimed KL) and ``se`` (the standard error of each coordinate of ``mean_grad``,
@@ -478,30 +497,97 @@ def gradient_draws(
 
 
 def mean_shift_z(draws: Tensor, target: Tensor) -> float:
-    r"""Normal deviate for "the mean of ``draws`` is ``target``", from the squared distance.
+    r"""Normal deviate of the test "the mean of ``draws`` is ``target``", from the squared distance.
 
-    With :math:`d = \bar g - v` and C the covariance of one draw, under the null
-    :math:`E[n\|d\|^2] = \operatorname{tr} C` and :math:`Var = 2 \operatorname{tr} C^2`
-    (Gaussian mean). Matching a scaled :math:`\chi^2_\nu` with
-    :math:`\nu = (\operatorname{tr} C)^2 / \operatorname{tr} C^2` (Satterthwaite) and applying
-    the Wilson-Hilferty cube root gives an approximately N(0, 1) deviate. No matrix is inverted,
-    so rarely visited states (near-singular covariance) do not break it; its power is against
-    biases that are large in Euclidean norm next to the noise, which is what matters for a
-    gradient. Draws that never vary must match ``target`` to rounding (else ``inf``).
+    .. math::
+        R = \frac{n \|\bar g - v\|^2}{\operatorname{tr} S}, \qquad
+        z = \Phi^{-1}(1 - p), \quad p = P_0(R \ge R_{\text{observed}}),
+
+    with :math:`\bar g` the mean of the ``n`` draws, ``v`` the target and S their sample
+    covariance. Under the null (Gaussian draws with covariance C, eigenvalues
+    :math:`\lambda_j`) the numerator is :math:`\sum_j \lambda_j \chi^2_1`, the denominator
+    :math:`\sum_j \lambda_j \chi^2_{n-1} / (n - 1)`, all independent, so
+    :math:`p = P(\sum_j \lambda_j (\chi^2_{1,j} - R\, \chi^2_{n-1,j} / (n - 1)) > 0)`: a
+    linear combination of chi-squares, evaluated exactly (numerical inversion of its moment
+    generating function through the saddlepoint, accurate however small p is) with the
+    :math:`\lambda_j` estimated by the eigenvalues of S (those of the ``n x n`` Gram matrix of
+    the centred draws when there are fewer draws than coordinates). With one dominant direction
+    R is an F(1, n - 1) variable, with many equal ones an F(k, k(n - 1)); the tail follows the
+    largest eigenvalues, not a normal approximation. Estimating the spectrum from the same
+    draws makes it look more concentrated than it is when ``n`` is not much larger than the
+    number of coordinates that vary, which errs conservative (a false-alarm rate below the
+    nominal). z is then N(0, 1) under the null, so a one-sided threshold keeps its normal
+    meaning: ``z > 4.92`` has probability 4.3e-7.
+
+    No matrix is inverted, so rarely visited states (near-singular covariance) do not break it;
+    its power is against biases that are large in Euclidean norm next to the noise, which is
+    what matters for a gradient. Draws that never vary (to rounding) are deterministic: z is 0
+    when they match ``target`` to rounding, else ``inf``.
+
+    Args:
+      draws: ``[n, d]`` independent draws (n >= 2), e.g. from :func:`gradient_draws`.
+      target: ``[d]``, the hypothesised mean.
+
+    Returns:
+      z, a Python float (``inf`` for a deterministic mismatch).
+
+    Reference: Imhof, "Computing the distribution of quadratic forms in normal variables",
+    Biometrika 48 (1961).
     """
+    return _mean_shift_zs(draws, [target])[0]
+
+
+def _check_draws(draws: Tensor, targets: list[Tensor]) -> None:
+    if draws.dim() != 2 or draws.shape[0] < 2:
+        raise ValueError(f"draws must be [n, d] with n >= 2, got shape {tuple(draws.shape)}")
+    for target in targets:
+        if target.shape != draws.shape[1:]:
+            raise ValueError(
+                f"target must be [d] = {tuple(draws.shape[1:])} like a draw, got shape "
+                f"{tuple(target.shape)}"
+            )
+
+
+def _deterministic(draws: Tensor, *others: Tensor) -> tuple[bool, float]:
+    """Whether ``draws`` never vary beyond rounding (their spread below 1e-9 of the scale), and
+    that scale (the largest magnitude among the draws and ``others``)."""
+    scale = max(float(t.abs().max()) if t.numel() else 0.0 for t in (draws, *others))
+    spread = float((draws - draws.mean(0)).abs().max()) if draws.numel() else 0.0
+    return spread <= 1e-9 * scale or scale == 0.0, scale
+
+
+def _mean_shift_zs(draws: Tensor, targets: list[Tensor]) -> list[float]:
+    """:func:`mean_shift_z` of several targets, sharing the covariance's spectrum."""
+    _check_draws(draws, targets)
+    draws = draws.double()
+    targets = [t.double() for t in targets]
     n = draws.shape[0]
     mean = draws.mean(0)
-    dist2 = float(((mean - target) ** 2).sum())
+    deterministic, scale = _deterministic(draws, *targets)
+    if deterministic:
+        return [
+            math.inf if float((mean - t).abs().max()) > 1e-7 * max(scale, 1e-300) else 0.0
+            for t in targets
+        ]
     centred = draws - mean
-    gram = centred @ centred.T / (n - 1)  # same nonzero spectrum as the covariance
-    tr, tr2 = float(gram.trace()), float((gram * gram).sum())
-    scale = float(torch.maximum(draws.abs().max(), target.abs().max()).clamp(min=1e-300))
-    if tr <= (1e-9 * scale) ** 2:
-        return math.inf if math.sqrt(dist2) > 1e-7 * scale else 0.0
-    nu = tr * tr / tr2
-    x = n * dist2 * nu / tr
-    a = 2.0 / (9.0 * nu)
-    return ((x / nu) ** (1.0 / 3.0) - (1.0 - a)) / math.sqrt(a)
+    small = centred @ centred.T if n <= centred.shape[1] else centred.T @ centred
+    eig = torch.linalg.eigvalsh(small).numpy() / (n - 1)  # the covariance's nonzero spectrum
+    eig = eig[eig > 1e-13 * eig.max()]  # rounding noise of the zero eigenvalues
+    trace = float(eig.sum())
+    return [
+        _mean_shift_deviate(eig, n, n * float(((mean - target) ** 2).sum()) / trace)
+        for target in targets
+    ]
+
+
+def _mean_shift_deviate(eig: np.ndarray, n: int, ratio: float) -> float:
+    """z of :func:`mean_shift_z` from the covariance's nonzero eigenvalues ``eig``, the number
+    of draws ``n`` and the observed ``ratio`` ``n |mean - target|^2 / tr S``."""
+    if ratio == 0.0:
+        return -math.inf
+    weights = np.concatenate([eig, -ratio * eig / (n - 1)])
+    df = np.concatenate([np.ones(eig.size), np.full(eig.size, n - 1.0)])
+    return normal_upper_deviate(*chi2_combination_log_tails(weights, df))
 
 
 def audit_grad(
@@ -573,14 +659,8 @@ def audit_grad(
     }
     target = exact[direction]
     mean, bias, variance, mse = _grad_stats(draws, target)
-    z = {
-        key: mean_shift_z(draws, vec)
-        for key, vec in (
-            ("target", target),
-            ("other", exact[other]),
-            ("zero", torch.zeros_like(target)),
-        )
-    }
+    zs = _mean_shift_zs(draws, [target, exact[other], torch.zeros_like(target)])
+    z = dict(zip(("target", "other", "zero"), zs, strict=True))
     coefs, ses = _regress_on_exact(draws, exact["pi||ref"], exact["ref||pi"])
     return GradAudit(
         estimator=label,
@@ -607,7 +687,7 @@ def audit_grad(
         verdict=_verdict(z, z_threshold, direction),
         mean_grad=mean.detach(),
         bias=bias.detach(),
-        se=(draws.std(0) / math.sqrt(n_trials)).detach(),
+        se=(draws.std(0) / math.sqrt(n_trials)).detach() * (variance > 0),
     )
 
 
@@ -620,6 +700,8 @@ def _grad_stats(draws: Tensor, target: Tensor) -> tuple[Tensor, Tensor, float, f
     bias = mean - target
     centred = draws - mean
     variance = float((centred**2).sum(1).mean() * n_trials / (n_trials - 1))
+    if _deterministic(draws, target)[0]:
+        variance = 0.0  # rounding, not spread
     mse = float(((draws - target) ** 2).sum(1).mean())
     return mean, bias, variance, mse
 
@@ -683,7 +765,9 @@ def format_grad_audits(audits: list[GradAudit]) -> str:
 
     rows = [
         f"| {a.estimator} | KL({a.direction}) | {a.rel_bias_debiased:.3f} | {a.variance:.4g} | "
-        f"{a.mse:.4g} | {a.z_target:.1f} | {a.z_other:.1f} | {a.z_zero:.1f} | "
+        f"{a.mse:.4g} | {_z_cell(a.z_target, a.variance == 0, '.1f')} | "
+        f"{_z_cell(a.z_other, a.variance == 0, '.1f')} | "
+        f"{_z_cell(a.z_zero, a.variance == 0, '.1f')} | "
         f"{coef(a.coef_pi_ref, a.coef_pi_ref_se)} | {coef(a.coef_ref_pi, a.coef_ref_pi_se)} | "
         f"{a.verdict} |"
         for a in audits

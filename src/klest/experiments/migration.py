@@ -268,8 +268,8 @@ def _tables(m: dict[str, Any]) -> str:
         "per sequence. A verdict "
         f"rejects a hypothesis above z = {m['z_gradient']:.2f} (gradients) or "
         f"{m['z_value']:.2f} (values): a false-alarm rate of {m['false_alarm']:.1e} for the "
-        "table. z: the statistic of the hypothesis the verdict accepts (about N(0, 1) when "
-        "it holds). cos: of the mean gradient with the exact gradients of the sequence-level "
+        "table. z: the statistic of the hypothesis the verdict accepts (N(0, 1) when it "
+        "holds). cos: of the mean gradient with the exact gradients of the sequence-level "
         "KL(pi‖ref) and KL(ref‖pi). rel. err: |mean gradient - exact gradient| / |exact "
         "gradient| for the KL the option names, Monte Carlo noise removed.",
         "",
