@@ -7,6 +7,7 @@ seeds.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from statistics import NormalDist
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 import klest
-from klest.audit import EstimatorSpec, audit_value, format_value_audits
+from klest.audit import EstimatorSpec, GradSpec, audit_value, format_value_audits
 from klest.testbeds import GaussianTestbed, make_generator
 from tests._stats import RATE, assert_failures_consistent, z_for
 
@@ -471,3 +472,29 @@ def test_deterministic_rows_print_as_exact():
     assert (a.z_target, a.z_other) == (0.0, math.inf) and a.verdict == "descends KL(pi||ref)"
     row = format_grad_audits([a]).splitlines()[-1]
     assert "| 0 |" in row and "| exact | inf (deterministic) |" in row, row
+
+
+def test_grad_spec_options_reach_kl_penalty():
+    """``;discount=G`` and ``;power=A`` parse, label back, and build the kl_penalty call with
+    them (the same loss as the direct call); anything else is refused by name."""
+    from klest.testbeds import TabularAutoregressive, make_generator
+
+    testbed = TabularAutoregressive.random(3, 3, eos=2, seed=0)
+    sample = testbed.sample(6, generator=make_generator(0))
+    for spec, options in (
+        ("k1/cumulative;discount=0.5", {"discount": 0.5}),
+        ("k1/token;power=0.5", {"power": 0.5}),
+    ):
+        parsed = GradSpec.parse(spec)
+        assert parsed.label() == spec
+        got = parsed.build("pi||ref")(sample)
+        grad = spec.split("/")[1].split(";")[0]
+        with pytest.warns(klest.KLGradientWarning) if grad == "token" else contextlib.nullcontext():
+            want = klest.kl_penalty(
+                sample.logp, sample.logp_ref, mask=sample.mask, estimator="k1", grad=grad, **options
+            )
+        g_got = torch.autograd.grad(got, testbed.parameters(), retain_graph=True)
+        g_want = torch.autograd.grad(want, testbed.parameters(), retain_graph=True)
+        assert torch.equal(got, want) and all(map(torch.equal, g_got, g_want))
+    with pytest.raises(ValueError, match="'discount=G' or 'power=A'"):
+        GradSpec.parse("k1/cumulative;gamma=0.5")

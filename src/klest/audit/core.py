@@ -333,19 +333,32 @@ def format_value_audits(audits: list[ValueAudit]) -> str:
 class GradSpec:
     """A value/gradient pair for :func:`klest.kl_penalty`: ``"k3/cumulative+loo"``, ``"rb/rb"``.
 
-    Syntax: ``VALUE/GRAD[+BASELINE]`` where VALUE is a value estimator (``cv:0.5`` allowed),
-    GRAD a gradient estimator and BASELINE ``loo``, ``mean``, ``loo-fitted``, ``ema`` (a
-    :class:`~klest.BaselineEMA`), ``loo-ema`` (a :class:`~klest.LooScaleEMA`), ``exact-kl`` or
-    ``exact-kl+loo`` (``"k3/cumulative+exact-kl+loo"``); an EMA lives as long as the built loss.
+    Syntax: ``VALUE/GRAD[+BASELINE][;discount=G][;power=A]`` where VALUE is a value estimator
+    (``cv:0.5`` allowed), GRAD a gradient estimator and BASELINE ``loo``, ``mean``,
+    ``loo-fitted``, ``ema`` (a :class:`~klest.BaselineEMA`), ``loo-ema`` (a
+    :class:`~klest.LooScaleEMA`), ``exact-kl`` or ``exact-kl+loo``
+    (``"k3/cumulative+exact-kl+loo"``); an EMA lives as long as the built loss. ``discount`` and
+    ``power`` are :func:`klest.kl_penalty`'s (``"k1/cumulative;discount=0.5"``).
     """
 
     value: str
     grad: str
     baseline: str | None = None
     alpha: float | str | None = None
+    discount: float = 1.0
+    power: float = 0.0
 
     @classmethod
     def parse(cls, spec: str) -> GradSpec:
+        spec, *settings = spec.split(";")
+        options = {}
+        for setting in settings:
+            key, eq, number = setting.partition("=")
+            if not eq or key not in ("discount", "power"):
+                raise ValueError(
+                    f"gradient spec option {setting!r} must be 'discount=G' or 'power=A'"
+                )
+            options[key] = float(number)
         value_part, sep, grad_part = spec.partition("/")
         if not sep:
             raise ValueError(f"gradient spec {spec!r} must look like 'k3/cumulative[+loo]'")
@@ -358,11 +371,16 @@ class GradSpec:
         check_choice("grad", grad, tuple(GRADIENT_ESTIMATORS))
         if baseline:
             check_choice("baseline", baseline, (*get_args(Baseline), "ema", "loo-ema"))
-        return cls(value, grad, baseline or None, alpha)
+        return cls(value, grad, baseline or None, alpha, **options)
 
     def label(self) -> str:
         value = self.value if self.alpha is None else f"{self.value}:{self.alpha}"
-        return f"{value}/{self.grad}" + (f"+{self.baseline}" if self.baseline else "")
+        label = f"{value}/{self.grad}" + (f"+{self.baseline}" if self.baseline else "")
+        if self.discount != 1.0:
+            label += f";discount={self.discount:g}"
+        if self.power != 0.0:
+            label += f";power={self.power:g}"
+        return label
 
     def build(self, direction: str) -> Callable[[Sample], Tensor]:
         """A function from a batch to the scalar loss whose gradient is audited."""
@@ -394,6 +412,8 @@ class GradSpec:
                     logits_ref=sample.logits_ref if uses_logits else None,
                     logp_stl=sample.logp_stl,
                     logp_behavior=sample.logp_behavior,
+                    discount=self.discount,
+                    power=self.power,
                 )
 
         return loss

@@ -102,6 +102,11 @@ GRAD_AUDIT_ONLY = {
         "rb/autodiff",
         "k3/cumulative+exact-kl",
         "k3/token+exact-kl",
+        "k1/cumulative;discount=0.5",
+        "rb/rb;discount=0.5",
+        "k1/token;power=0.5",
+        "k1/cumulative;power=0.5",
+        "k1/token;power=1",
     ),
     "ref||pi": (),
 }
