@@ -248,8 +248,9 @@ class _Recorder(TorchDispatchMode):
 @contextlib.contextmanager
 def matmul_flops() -> Iterator[dict[str, int]]:
     """``{"flops": ..., "products": ...}`` of the matrix products run inside (filled on exit):
-    floating-point operations by ``torch.utils.flop_counter.FlopCounterMode`` and the number of
-    product calls (``mm``, ``addmm``, ``bmm``, ``baddbmm``)."""
+    floating-point operations by ``torch.utils.flop_counter.FlopCounterMode`` (which does not
+    see in-place ``addmm_``: the calls below do) and the number of product calls (``mm``,
+    ``addmm``, ``addmm_``, ``bmm``, ``baddbmm``)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     result: dict[str, int] = {}
@@ -262,7 +263,7 @@ def matmul_flops() -> Iterator[dict[str, int]]:
 
 
 class _ProductCalls(TorchDispatchMode):
-    _PRODUCTS = ("aten.mm", "aten.addmm", "aten.bmm", "aten.baddbmm")
+    _PRODUCTS = ("aten.mm", "aten.addmm", "aten.addmm_", "aten.bmm", "aten.baddbmm")
 
     def __init__(self) -> None:
         super().__init__()
