@@ -51,6 +51,44 @@ def _shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[in
     return sum(sizes[:rank]), sum(sizes)
 
 
+def _given_layout(start: object, vocab_size: object, v_local: int) -> tuple[int, int]:
+    """``(offset, V)`` from ``vocab_start_index`` and ``vocab_size``, checked locally."""
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"vocab_start_index must be an int >= 0, got {start!r}")
+    if vocab_size is None:
+        raise ValueError("vocab_start_index= needs vocab_size= (the whole padded vocabulary)")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    if start + v_local > vocab_size:
+        raise ValueError(
+            f"vocab_start_index={start} + this shard's {v_local} columns exceeds "
+            f"vocab_size={vocab_size}"
+        )
+    return start, vocab_size
+
+
+def _check_valid_vocab_size(valid: object, v_total: int) -> int:
+    if isinstance(valid, bool) or not isinstance(valid, int):
+        raise TypeError(f"valid_vocab_size must be an int, got {type(valid).__name__}")
+    if not 1 <= valid <= v_total:
+        raise ValueError(f"valid_vocab_size must be in [1, V = {v_total}], got {valid}")
+    return valid
+
+
+def _valid_columns(z: Tensor, y: Tensor, keep: int) -> tuple[Tensor, Tensor]:
+    """This shard's first ``keep`` columns (the rest padding). A shard of padding only stands
+    as one column at the dtype's lowest value in both models: its mass exp(lowest - lse)
+    underflows to exactly 0, so the merge gives it weight 0, its statistics stay finite, and
+    the ``where`` passes the padding a gradient of exactly 0."""
+    if keep >= z.shape[-1]:
+        return z, y
+    if keep > 0:
+        return z[:, :keep], y[:, :keep]
+    never = torch.zeros_like(z[:, :1], dtype=torch.bool)
+    lowest = torch.finfo(z.dtype).min
+    return torch.where(never, z[:, :1], lowest), torch.where(never, y[:, :1], lowest)
+
+
 def _owned(owner: Tensor | None, x: Tensor) -> Tensor:
     """``x`` on the rows whose label this shard holds, else 0."""
     return torch.zeros_like(x) if owner is None else torch.where(owner, x, 0.0)
@@ -101,6 +139,8 @@ def kl_from_logits_vocab_parallel(
     *,
     group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    vocab_start_index: int | None = None,
+    valid_vocab_size: int | None = None,
     direction: Direction = "pi||ref",
     mask: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
@@ -130,7 +170,16 @@ def kl_from_logits_vocab_parallel(
       logits: this rank's shard of pi's logits ``[..., V_r]``.
       logits_ref: this rank's shard of ref's logits, same shape.
       group: the tensor-parallel process group (default: the world).
-      vocab_size: the full V, checked against the sum of the shard sizes when given.
+      vocab_size: the full (padded) V, checked against the sum of the shard sizes when given.
+      vocab_start_index: this rank's first global column :math:`o_r` (Megatron's
+        ``vocab_start_index``, ``rank * V_r``), with ``vocab_size``: skips the ``all_gather`` of
+        the shard sizes (and its check that every rank holds the same positions).
+      valid_vocab_size: the real vocabulary :math:`V' \le V`: the columns ``[V', V)`` are
+        padding (Megatron pads V to a multiple of the tensor-parallel size times 128) and are
+        left out: the KL, entropy and label log-probs are those of the distributions over the
+        first :math:`V'` tokens, and the padding's gradient is 0. A teacher and a student whose
+        padded sizes differ: pad the smaller one's shards to the larger layout (any values)
+        and pass the tokenizer's size here.
       direction: ``"pi||ref"`` or ``"ref||pi"``.
       mask: bool ``[...]``, identical on every rank.
       reduction: as in :func:`klest.kl_from_logits`.
@@ -165,11 +214,19 @@ def kl_from_logits_vocab_parallel(
     checks = ValueChecks(resolve_validate(validate))
     v_local = logits.shape[-1]
     z, y = logits.reshape(-1, v_local), logits_ref.reshape(-1, v_local)
-    offset, v_total = _shard_layout(z.shape[0], v_local, group, z.device)
-    if vocab_size is not None and vocab_size != v_total:
-        raise ValueError(
-            f"the shard sizes add up to V = {v_total} over the group, but vocab_size = {vocab_size}"
-        )
+    if vocab_start_index is None:
+        offset, v_total = _shard_layout(z.shape[0], v_local, group, z.device)
+        if vocab_size is not None and vocab_size != v_total:
+            raise ValueError(
+                f"the shard sizes add up to V = {v_total} over the group, but vocab_size = "
+                f"{vocab_size}"
+            )
+    else:
+        offset, v_total = _given_layout(vocab_start_index, vocab_size, v_local)
+    if valid_vocab_size is not None:
+        v_valid = _check_valid_vocab_size(valid_vocab_size, v_total)
+        z, y = _valid_columns(z, y, v_valid - offset)
+        v_local, v_total = z.shape[-1], v_valid
     pos = positions(
         logits.shape[:-1],
         logits.device,
