@@ -80,6 +80,7 @@ from klest.logits._rows import (
 from klest.logits._stats import Grads, KLRowStats
 from klest.logits.dtensor import refuse_sharded_weight
 from klest.logits.kernels import scale_
+from klest.logits.vocab_parallel import VocabShard
 
 __all__ = ["HiddenRowPlan", "kl_from_hidden", "run_hidden"]
 
@@ -639,9 +640,12 @@ def run_hidden(
     stash: bool | None = None,
     scale: float | Tensor | None = None,
     ce_weight: float = 0.0,
+    shard: VocabShard | None = None,
 ) -> Tensor | WithDetails[LogitsDetails]:
     """Check a fused call's arguments, plan its chunks (``make_plan(1 / T, backend, rows)``;
-    ``workspace(V)``: the PyTorch path's bytes per row), run it and shape the result."""
+    ``workspace(V)``: the PyTorch path's bytes per row), run it and shape the result. With
+    ``shard``, the heads are this rank's shard of a vocabulary split over ranks: labels are
+    global ids, and every rank plans the same chunks."""
     refuse_sharded_weight(weight, hidden, "weight")
     refuse_sharded_weight(weight_ref, hidden_ref, "weight_ref")
     check_plan_options(backend, memory_budget, chunk_size)
@@ -657,7 +661,7 @@ def run_hidden(
         reduction=reduction,
         mask=mask,
         labels=labels,
-        vocab_size=v,
+        vocab_size=v if shard is None else shard.vocab_size,
         ignore_index=ignore_index,
         details=return_details,
         checks=checks,
@@ -665,8 +669,9 @@ def run_hidden(
     h = hidden.reshape(-1, hidden.shape[-1])
     resolved = resolve_backend(backend, h)
     # Per row: pi's and ref's logits and a gradient in their dtype, plus the PyTorch workspace.
-    per_row = v * max(hidden.element_size(), weight.element_size()) * 3
-    per_row += workspace(v) if resolved == "torch" else 0
+    v_plan = v if shard is None else shard.widest
+    per_row = v_plan * max(hidden.element_size(), weight.element_size()) * 3
+    per_row += workspace(v_plan) if resolved == "torch" else 0
     plan = make_plan(1.0 / tau, resolved, chunk_rows(per_row, h.device, memory_budget, chunk_size))
     pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, hidden.device, checks)
     pos = with_result(pos, scale=scale, ce_weight=ce_weight)
@@ -683,6 +688,9 @@ def run_hidden(
         coef = value_coefficients(
             pos, h.shape[0], torch.float64 if h.dtype == torch.float64 else torch.float32, h.device
         )
-    outputs = _HiddenRows.apply(*inputs, pos.labels, pos.rows, coef, plan, checks)
+    labels_in = pos.labels
+    if shard is not None and labels_in is not None:
+        labels_in = shard.local_labels(labels_in, ignore_index)
+    outputs = _HiddenRows.apply(*inputs, labels_in, pos.rows, coef, plan, checks)
     checks.run()
     return finish(outputs, pos)

@@ -21,7 +21,7 @@ none, since each shard's gradient is exact given the merged statistics (module
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -34,11 +34,12 @@ from klest.logits._call import LogitsDetails, finish, in_sequences, plan_for, po
 from klest.logits._stats import KLRowStats
 from klest.logits.from_logits import rows_kl
 
-__all__ = ["kl_from_logits_vocab_parallel"]
+__all__ = ["VocabShard", "kl_from_logits_vocab_parallel"]
 
 
-def _shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[int, int]:
-    """``(offset of this rank's shard, total V)``, checking every rank has ``n`` rows."""
+def shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[int, int, int]:
+    """``(offset of this rank's shard, total V, widest shard)``, checking every rank has ``n``
+    rows (one ``all_gather``)."""
     world = dist.get_world_size(group)
     mine = torch.tensor([n, v_local], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -48,10 +49,10 @@ def _shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[in
     if len(set(rows)) != 1:
         raise ValueError(f"every rank must hold the same positions: rows per rank {rows}")
     rank = dist.get_rank(group)
-    return sum(sizes[:rank]), sum(sizes)
+    return sum(sizes[:rank]), sum(sizes), max(sizes)
 
 
-def _given_layout(start: object, vocab_size: object, v_local: int) -> tuple[int, int]:
+def given_layout(start: object, vocab_size: object, v_local: int) -> tuple[int, int]:
     """``(offset, V)`` from ``vocab_start_index`` and ``vocab_size``, checked locally."""
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
         raise ValueError(f"vocab_start_index must be an int >= 0, got {start!r}")
@@ -67,7 +68,7 @@ def _given_layout(start: object, vocab_size: object, v_local: int) -> tuple[int,
     return start, vocab_size
 
 
-def _check_valid_vocab_size(valid: object, v_total: int) -> int:
+def check_valid_vocab_size(valid: object, v_total: int) -> int:
     if isinstance(valid, bool) or not isinstance(valid, int):
         raise TypeError(f"valid_vocab_size must be an int, got {type(valid).__name__}")
     if not 1 <= valid <= v_total:
@@ -89,12 +90,30 @@ def _valid_columns(z: Tensor, y: Tensor, keep: int) -> tuple[Tensor, Tensor]:
     return torch.where(never, z[:, :1], lowest), torch.where(never, y[:, :1], lowest)
 
 
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's columns ``[offset, offset + size)`` of a vocabulary of ``vocab_size`` split
+    over ranks, the widest rank's ``widest`` columns."""
+
+    offset: int
+    size: int
+    vocab_size: int
+    widest: int
+
+    def local_labels(self, labels: Tensor, ignore_index: int) -> Tensor:
+        """Global ids in this shard's convention: its columns ``[0, size)``, ``-1`` ignored,
+        ``size`` another shard's token."""
+        mine = (labels >= self.offset) & (labels < self.offset + self.size)
+        other = torch.where(labels == ignore_index, -1, self.size)
+        return torch.where(mine, labels - self.offset, other)
+
+
 def _owned(owner: Tensor | None, x: Tensor) -> Tensor:
     """``x`` on the rows whose label this shard holds, else 0."""
     return torch.zeros_like(x) if owner is None else torch.where(owner, x, 0.0)
 
 
-def _merge_shards(stats: KLRowStats, keep: Tensor | None, *, group, owner: Tensor | None):
+def merge_shards(stats: KLRowStats, keep: Tensor | None, *, group, owner: Tensor | None):
     """Whole-row statistics from every rank's shard statistics (module docstring)."""
     lse = torch.stack([stats.lse_z, stats.lse_y])
     top = lse.clone()
@@ -215,16 +234,16 @@ def kl_from_logits_vocab_parallel(
     v_local = logits.shape[-1]
     z, y = logits.reshape(-1, v_local), logits_ref.reshape(-1, v_local)
     if vocab_start_index is None:
-        offset, v_total = _shard_layout(z.shape[0], v_local, group, z.device)
+        offset, v_total, _ = shard_layout(z.shape[0], v_local, group, z.device)
         if vocab_size is not None and vocab_size != v_total:
             raise ValueError(
                 f"the shard sizes add up to V = {v_total} over the group, but vocab_size = "
                 f"{vocab_size}"
             )
     else:
-        offset, v_total = _given_layout(vocab_start_index, vocab_size, v_local)
+        offset, v_total = given_layout(vocab_start_index, vocab_size, v_local)
     if valid_vocab_size is not None:
-        v_valid = _check_valid_vocab_size(valid_vocab_size, v_total)
+        v_valid = check_valid_vocab_size(valid_vocab_size, v_total)
         z, y = _valid_columns(z, y, v_valid - offset)
         v_local, v_total = z.shape[-1], v_valid
     pos = positions(
@@ -241,10 +260,8 @@ def kl_from_logits_vocab_parallel(
     )
     local = owner = None
     if pos.labels is not None:
-        owner = (pos.labels >= offset) & (pos.labels < offset + v_local)
-        # This shard's convention: < 0 ignored, >= V_r another shard's token.
-        other = torch.where(pos.labels == ignore_index, -1, v_local)
-        local = torch.where(owner, pos.labels - offset, other)
+        local = VocabShard(offset, v_local, v_total, v_local).local_labels(pos.labels, ignore_index)
+        owner = (local >= 0) & (local < v_local)
     plan = plan_for(
         z,
         y,
@@ -257,7 +274,7 @@ def kl_from_logits_vocab_parallel(
     )
 
     def merge(stats: KLRowStats, keep: Tensor | None) -> KLRowStats:
-        return _merge_shards(stats, keep, group=group, owner=owner)
+        return merge_shards(stats, keep, group=group, owner=owner)
 
     outputs = rows_kl(z, y, local, pos, replace(plan, merge=merge), checks)
     pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, logits.device, checks)
