@@ -55,6 +55,9 @@ from klest.logits import token_log_probs
 from klest.logits.topk import TopKDetails
 from klest.logits.topk import TopKEstimator
 from klest.logits.topk import kl_from_topk
+from klest.logits.multi_teacher import MultiTeacherDetails
+from klest.logits.multi_teacher import multi_teacher_kl_from_hidden
+from klest.logits.multi_teacher import multi_teacher_kl_from_logits
 from klest.sampled.penalty import GRADIENT_ESTIMATORS
 from klest.sampled.penalty import GradientEstimator
 from klest.sampled.penalty import KLGradientWarning
@@ -112,6 +115,7 @@ __all__ = [
     "Level",
     "LogitsDetails",
     "LooScaleEMA",
+    "MultiTeacherDetails",
     "PenaltyDetails",
     "PenaltyTargets",
     "Reduction",
@@ -154,6 +158,8 @@ __all__ = [
     "kl_reward",
     "kpop_mask",
     "log_ratio_mask",
+    "multi_teacher_kl_from_hidden",
+    "multi_teacher_kl_from_logits",
     "penalty_targets",
     "renyi_bound",
     "set_default_validate",

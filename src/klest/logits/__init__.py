@@ -8,7 +8,8 @@ the rest is tested against), the row statistics and the chunked engine, the Trit
 (vocabulary shards over ``torch.distributed``); the generalized JSD, skew KL and total
 variation (:mod:`~klest.logits.divergences`); :func:`token_log_probs`, the sampled
 tokens' log-probs from logits, memory-bounded; and :func:`kl_from_topk`, the KL to a teacher
-known by its top-k log-probs (:mod:`~klest.logits.topk`).
+known by its top-k log-probs (:mod:`~klest.logits.topk`); the weighted or routed KLs to several
+teachers (:mod:`~klest.logits.multi_teacher`).
 """
 
 # The public surface is one import per line (an isort merge would undo that).
@@ -30,10 +31,14 @@ from klest.logits.sampled_log_probs import token_log_probs
 from klest.logits.topk import TopKDetails
 from klest.logits.topk import TopKEstimator
 from klest.logits.topk import kl_from_topk
+from klest.logits.multi_teacher import MultiTeacherDetails
+from klest.logits.multi_teacher import multi_teacher_kl_from_hidden
+from klest.logits.multi_teacher import multi_teacher_kl_from_logits
 
 __all__ = [
     "KLRowStats",
     "LogitsDetails",
+    "MultiTeacherDetails",
     "TopKDetails",
     "TopKEstimator",
     "categorical_kl",
@@ -44,6 +49,8 @@ __all__ = [
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
     "kl_from_topk",
+    "multi_teacher_kl_from_hidden",
+    "multi_teacher_kl_from_logits",
     "skew_kl_from_hidden",
     "skew_kl_from_logits",
     "token_log_probs",

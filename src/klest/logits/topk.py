@@ -28,6 +28,13 @@ Estimators (``estimator=``):
   NeMo-RL's ``zero_outside_topk: true`` for ``kl_type: forward`` (its KL(ref||pi)); for its
   ``reverse`` it adds the student's tail terms against a constant teacher log-prob of -100,
   which klest does not reproduce. Biased.
+- ``"generalized"``: the generalized (unnormalized) KL between the two measures restricted to
+  :math:`S`, :math:`\sum_{v\in S}[\pi_v\log(\pi_v/ref_v) - \pi_v + ref_v]` (or with
+  :math:`\pi` and :math:`ref` swapped for :math:`KL(ref\|\pi)`): non-negative, 0 iff the two
+  agree on :math:`S`. The same sum over the tail is non-negative too and the two sums add up to
+  the full KL (the masses cancel), so it is a *lower bound*, below ``"tail-bucket"``'s by
+  :math:`\bar R - \bar P + \bar P\log(\bar P/\bar R) \ge 0` (:math:`\bar P` and
+  :math:`\bar R` swapped for :math:`KL(ref\|\pi)`). Biased.
 - ``"tail-bucket"``: :math:`S` plus one "rest" bucket, the first two terms above. A *lower
   bound* on the KL (the data-processing inequality: merging the tail into one outcome can only
   lose divergence); exact when the teacher's tail is proportional to the student's.
@@ -97,7 +104,9 @@ from klest.surrogates import join
 
 __all__ = ["SAMPLED", "TopKDetails", "TopKEstimator", "kl_from_topk"]
 
-TopKEstimator = Literal["unbiased", "unbiased-cv", "tail-bucket", "truncated", "truncated-raw"]
+TopKEstimator = Literal[
+    "unbiased", "unbiased-cv", "tail-bucket", "truncated", "truncated-raw", "generalized"
+]
 """The estimators of :func:`kl_from_topk`."""
 
 SAMPLED = ("unbiased", "unbiased-cv")
@@ -207,6 +216,17 @@ def _plogq(lp: Tensor, lq: Tensor, support: Tensor) -> Tensor:
     return torch.where(support, lp.exp() * (lp - lq), 0.0)
 
 
+def _generalized(t: _Terms, a_sup: Tensor, pi_dir: bool) -> Tensor:
+    """``sum_S [p log(p / q) - p + q]`` per position, each term ``q (x e^x - e^x + 1)`` at
+    ``x = log(p / q)`` (no cancellation near ``p = q``); ``a_sup``: where pi's entry is > 0."""
+    if pi_dir:  # p = pi, q = ref; pi_v = 0 leaves q
+        term = t.b.exp() * xexp_tail(torch.where(a_sup, t.a - t.b, 0.0))
+        return torch.where(a_sup, term, t.b.exp()).sum(-1)
+    # p = ref, q = pi; pi_v = 0 < ref_v: infinite
+    term = t.a.exp() * xexp_tail(torch.where(a_sup, t.b - t.a, 0.0))
+    return torch.where(a_sup, term, torch.inf).sum(-1)
+
+
 def _values(
     t: _Terms, support: _Terms, estimator: str, direction: str
 ) -> tuple[Tensor, Tensor | None]:
@@ -233,6 +253,8 @@ def _values(
     ).sum(-1)
     if estimator == "truncated-raw":
         return in_set, None
+    if estimator == "generalized":
+        return _generalized(t, support.a > -torch.inf, pi_dir), None
     if estimator == "unbiased":
         log_w = t.b_y - t.a_y
         g = -log_w if pi_dir else log_w.exp() * log_w
@@ -282,7 +304,9 @@ def kl_from_topk(
     :math:`\sum_{v\in S} ref_v\log\frac{ref_v}{\pi_v} + 1[y\notin S]\frac{ref_y}{\pi_y}
     \log\frac{ref_y}{\pi_y}`). The other estimators (``"unbiased-cv"``, lower variance, also
     unbiased; ``"tail-bucket"``, a lower bound; ``"truncated"`` and ``"truncated-raw"``, what
-    peers compute) are defined in :mod:`klest.logits.topk`.
+    peers compute; ``"generalized"``, the unnormalized KL of the measures restricted to
+    :math:`S`, :math:`\sum_{v\in S}[\pi_v\log(\pi_v/ref_v) - \pi_v + ref_v]`, a lower
+    bound) are defined in :mod:`klest.logits.topk`.
 
     Samples: ``labels`` must be drawn from the student :math:`\pi = softmax(logits / T)` itself
     (on-policy), one per position, for both directions: :math:`KL(ref\|\pi)`'s tail is
@@ -318,7 +342,7 @@ def kl_from_topk(
         estimators); not read where the label is ``ignore_index`` or ``mask`` is False (any
         value there, e.g. ``teacher_logp.gather(-1, labels.clamp(min=0)[..., None])[..., 0]``).
       estimator: ``"unbiased"`` (default), ``"unbiased-cv"``, ``"tail-bucket"``,
-        ``"truncated"`` or ``"truncated-raw"``.
+        ``"truncated"``, ``"truncated-raw"`` or ``"generalized"``.
       direction: ``"pi||ref"`` (on-policy distillation) or ``"ref||pi"``.
       mask: bool ``[...]``, True where a position counts; others are not read for validity.
       reduction: klest's rule over the per-position values (:mod:`klest.aggregation`).

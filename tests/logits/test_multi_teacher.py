@@ -1,0 +1,309 @@
+"""The multi-teacher KLs against a slow loop over positions and teachers in plain float64 torch:
+values and gradients (student logits / hidden states / heads, teachers that require grad) for
+routes, global and per-position weights, masks, empty rows, packed sequences, a teacher with no
+row; the work done (a routed row costs one teacher's KL); bad input.
+
+Tolerances: each side computes every teacher's KL from a log-softmax, rounding at the row's
+logit scale (tests._tolerance.logit_scale) about sqrt(V) <= 4 times in random directions, and a
+weighted mean over the teachers (weights summing to 1) of such values rounds no worse than its
+largest term: VALUE_ULPS = 2 paths x 16. Gradients cancel at the row's scale (their largest
+entry) and the heads' sum them over N <= 24 rows and V = 13: GRAD_ULPS = 2 x 32."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+import klest
+from tests._tolerance import assert_close_to_rounding, assert_logits_values_close
+
+VALUE_ULPS = 32
+GRAD_ULPS = 64
+V, K = 13, 3
+F64 = torch.float64
+
+
+def _t(shape, seed):
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=F64)
+
+
+def _kl(z, y, direction, temperature):
+    """Plain torch KL of one position (``[V]`` logits)."""
+    a, b = torch.log_softmax(z / temperature, -1), torch.log_softmax(y / temperature, -1)
+    p, lp, lq = (a.exp(), a, b) if direction == "pi||ref" else (b.exp(), b, a)
+    return (p * (lp - lq)).sum()
+
+
+def _reference(z, teachers, w, keep, direction, temperature):
+    """Per position (flat ``[N]``): sum over the teachers with weight > 0 of w * KL, a loop."""
+    n = z.shape[0]
+    out = []
+    for i in range(n):
+        total = torch.zeros((), dtype=F64)
+        if keep[i]:
+            for k in range(len(teachers)):
+                if w[i, k] > 0:
+                    total = total + w[i, k] * _kl(z[i], teachers[k][i], direction, temperature)
+        out.append(total)
+    return torch.stack(out)
+
+
+def _weights(mode, lead, route):
+    """``(argument dict, dense [N, K] weights)`` of a weighting mode."""
+    n = lead.numel()
+    if mode == "route":
+        rows = route.reshape(-1)
+        dense = torch.nn.functional.one_hot(rows, K).to(F64)
+        dense = dense[:, None].expand(-1, n // rows.numel(), -1).reshape(n, K)
+        return {"route": route}, dense
+    if mode == "default":
+        return {}, torch.full((n, K), 1 / K, dtype=F64)
+    if mode == "global":
+        w = torch.tensor([0.5, 0.0, 0.5], dtype=F64)  # teacher 1 never computed
+        return {"weights": w}, w.expand(n, K)
+    # per position: one-hot, two-teacher and three-teacher mixtures, in different orders
+    raw = _t((n, K), 5).abs() * (
+        torch.rand((n, K), generator=torch.Generator().manual_seed(6)) > 0.4
+    )
+    raw[torch.arange(n), torch.arange(n) % K] += 0.3  # at least one teacher per position
+    dense = raw / raw.sum(-1, keepdim=True)
+    return {"weights": dense.reshape(*lead, K)}, dense
+
+
+MODES = ("route", "default", "global", "per-position")
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("direction", ["pi||ref", "ref||pi"])
+def test_logits_match_the_loop(mode, direction):
+    """Values (reduction "none" and the default) and gradients to the student's and to a
+    trainable teacher's logits equal the loop's; masked positions and a fully masked row give 0;
+    with a route, teacher 1 has no row."""
+    lead, temperature = torch.Size((4, 6)), 0.8
+    z = _t((*lead, V), 0).requires_grad_(True)
+    teachers = [_t((*lead, V), 10 + k).requires_grad_(k == 2) for k in range(K)]
+    mask = _t(lead, 1) > -0.8
+    mask[2] = False  # an empty row
+    route = torch.tensor([0, 2, 2, 0])
+    kwargs, dense = _weights(mode, lead, route)
+    got = klest.multi_teacher_kl_from_logits(
+        z,
+        teachers,
+        direction=direction,
+        mask=mask,
+        temperature=temperature,
+        reduction="none",
+        **kwargs,
+    )
+    flat = [t.reshape(-1, V) for t in teachers]
+    want = _reference(z.reshape(-1, V), flat, dense, mask.reshape(-1), direction, temperature)
+    assert_logits_values_close(
+        got.reshape(-1), want, z.reshape(-1, V), *flat, ulps=VALUE_ULPS, temperature=temperature
+    )
+    upstream = _t(lead, 2)
+    params = [z, teachers[2]]
+    g_got = torch.autograd.grad((got * upstream).sum(), params)
+    g_want = torch.autograd.grad((want * upstream.reshape(-1)).sum(), params)
+    for a, b in zip(g_got, g_want, strict=True):
+        assert_close_to_rounding(a, b, ulps=GRAD_ULPS, what="gradient")
+    assert (g_got[0][2] == 0).all()
+    reduced = klest.multi_teacher_kl_from_logits(
+        z, teachers, direction=direction, mask=mask, temperature=temperature, **kwargs
+    )
+    # seq-mean-token-sum: the row sums over the 3 rows with a counted position
+    assert_logits_values_close(
+        reduced, want.sum() / 3, z, *teachers, ulps=VALUE_ULPS, temperature=temperature, terms=24
+    )
+
+
+def test_packed_sequences_with_a_route():
+    """cu_seqlens: the route is per sequence (an empty one included); per-sequence sums and the
+    token mean equal the loop's."""
+    cu = torch.tensor([0, 3, 3, 8, 10])
+    route = torch.tensor([1, 0, 2, 1])  # the empty sequence's entry is not read
+    z = _t((10, V), 20).requires_grad_(True)
+    teachers = [_t((10, V), 21 + k) for k in range(K)]
+    per_token = torch.tensor([1, 1, 1, 2, 2, 2, 2, 2, 1, 1])
+    dense = torch.nn.functional.one_hot(per_token, K).to(F64)
+    want = _reference(z, teachers, dense, torch.ones(10, dtype=torch.bool), "pi||ref", 1.0)
+    per_seq = klest.multi_teacher_kl_from_logits(
+        z, teachers, route=route, cu_seqlens=cu, reduction="per-sequence"
+    )
+    want_seq = torch.stack([want[a:b].sum() for a, b in itertools.pairwise(cu.tolist())])
+    assert_logits_values_close(per_seq, want_seq, z, *teachers, ulps=VALUE_ULPS, terms=5)
+    mean = klest.multi_teacher_kl_from_logits(
+        z, teachers, route=route, cu_seqlens=cu, reduction="token-mean"
+    )
+    assert_logits_values_close(mean, want.mean(), z, *teachers, ulps=VALUE_ULPS)
+    (g,) = torch.autograd.grad(mean, z)
+    (g_want,) = torch.autograd.grad(want.mean(), z)
+    assert_close_to_rounding(g, g_want, ulps=GRAD_ULPS, what="gradient")
+
+
+@pytest.mark.parametrize("mode", ["route", "per-position"])
+def test_hidden_matches_the_loop(mode):
+    """From hidden states with each teacher's own head and bias: values and gradients to the
+    student's hidden states, head and bias and to a trainable teacher head and its hidden states
+    equal the loop on the materialized logits. With a route, one teacher_hidden tensor holds
+    each row's own teacher's states; per position, each teacher has its own (sizes differ)."""
+    lead, hsz = torch.Size((4, 6)), 5
+    h = _t((*lead, hsz), 30).requires_grad_(True)
+    w = _t((V, hsz), 31).requires_grad_(True)
+    b = _t((V,), 32).requires_grad_(True)
+    sizes = (hsz, hsz, hsz) if mode == "route" else (3, 5, 7)
+    heads = [_t((V, s), 40 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
+    biases = [None, _t((V,), 45), None]
+    mask = _t(lead, 33) > -0.8
+    mask[1] = False
+    route = torch.tensor([0, 1, 0, 0])  # teacher 2 has no row
+    kwargs, dense = _weights(mode, lead, route)
+    if mode == "route":
+        states = _t((*lead, hsz), 50).requires_grad_(True)
+        teacher_hidden, per_teacher = states, [states] * K
+    else:
+        per_teacher = [_t((*lead, s), 50 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
+        teacher_hidden, states = per_teacher, per_teacher[0]
+    got = klest.multi_teacher_kl_from_hidden(
+        h,
+        w,
+        teacher_hidden,
+        heads,
+        bias=b,
+        teacher_biases=biases,
+        mask=mask,
+        reduction="none",
+        **kwargs,
+    )
+    z = torch.nn.functional.linear(h, w, b).reshape(-1, V)
+    ys = [
+        torch.nn.functional.linear(s, hd, bi).reshape(-1, V)
+        for s, hd, bi in zip(per_teacher, heads, biases, strict=True)
+    ]
+    want = _reference(z, ys, dense, mask.reshape(-1), "pi||ref", 1.0)
+    assert_logits_values_close(got.reshape(-1), want, z, *ys, ulps=VALUE_ULPS)
+    upstream = _t(lead, 34)
+    params = [h, w, b, heads[0], states]
+    g_got = torch.autograd.grad((got * upstream).sum(), params)
+    g_want = torch.autograd.grad((want * upstream.reshape(-1)).sum(), params)
+    for name, a, c in zip(["h", "w", "b", "head0", "teacher_hidden"], g_got, g_want, strict=True):
+        assert_close_to_rounding(a, c, ulps=GRAD_ULPS, what=name)
+
+
+def test_routed_rows_cost_one_teacher():
+    """Work, counted: routed over K = 3 teachers, the fused call does the matrix products of one
+    kl_from_hidden call over the same rows (each row's logits, student and teacher, once);
+    from logits, a route is one kl_from_logits call. Rows of a teacher's tensor that are not
+    routed to it are not read: NaN there changes nothing."""
+    lead, hsz = torch.Size((6, 4)), 8
+    h = _t((*lead, hsz), 60).requires_grad_(True)
+    w = _t((V, hsz), 61)
+    heads = [_t((V, hsz), 62 + k) for k in range(K)]
+    th = _t((*lead, hsz), 66)
+    route = torch.tensor([0, 1, 2, 2, 1, 0])
+    with FlopCounterMode(display=False) as multi:
+        klest.multi_teacher_kl_from_hidden(h, w, th, heads, route=route).backward()
+    with FlopCounterMode(display=False) as single:
+        klest.kl_from_hidden(h, w, th, heads[0]).backward()
+    assert multi.get_total_flops() == single.get_total_flops() > 0
+    z = _t((*lead, V), 70)
+    teachers = [torch.full((*lead, V), float("nan"), dtype=F64) for _ in range(K)]
+    for b, k in enumerate(route.tolist()):
+        teachers[k][b] = _t((lead[1], V), 71 + b)
+    routed = torch.stack([teachers[k][b] for b, k in enumerate(route.tolist())])
+    got = klest.multi_teacher_kl_from_logits(z, teachers, route=route, validate=True)
+    assert got == klest.kl_from_logits(z, routed)
+
+
+def test_nothing_counted_gives_zero_with_a_zero_gradient():
+    z = _t((2, 3, V), 80).requires_grad_(True)
+    teachers = [_t((2, 3, V), 81 + k) for k in range(K)]
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    for fn in (
+        lambda: klest.multi_teacher_kl_from_logits(z, teachers, mask=mask),
+        lambda: klest.multi_teacher_kl_from_logits(z[:0], [t[:0] for t in teachers]),
+    ):
+        out = fn()
+        (g,) = torch.autograd.grad(out, z)
+        assert out == 0 and (g == 0).all()
+    h, w = _t((2, 3, 4), 90).requires_grad_(True), _t((V, 4), 91)
+    out = klest.multi_teacher_kl_from_hidden(
+        h, w, _t((2, 3, 4), 92), [w, w], mask=mask, route=torch.tensor([5, 7])
+    )
+    (g,) = torch.autograd.grad(out, h)
+    assert out == 0 and (g == 0).all()
+
+
+def test_details():
+    """Per teacher, its KLs where computed and its positions."""
+    z = _t((3, 4, V), 100)
+    teachers = [_t((3, 4, V), 101 + k) for k in range(K)]
+    route = torch.tensor([2, 0, 2])
+    _, d = klest.multi_teacher_kl_from_logits(
+        z, teachers, route=route, reduction="none", return_details=True
+    )
+    assert d.teacher_positions.tolist() == [4, 0, 8]
+    want = klest.kl_from_logits(z[0], teachers[2][0], reduction="none")
+    assert torch.equal(d.teacher_kls[0, :, 2], want)
+    assert (d.teacher_kls[0, :, :2] == 0).all() and (d.teacher_kls[:, :, 1] == 0).all()
+
+
+def test_bad_input():
+    z = _t((2, 3, V), 110)
+    ts = [_t((2, 3, V), 111 + k) for k in range(K)]
+    h, w = _t((2, 3, 4), 120), _t((V, 4), 121)
+    f, fh = klest.multi_teacher_kl_from_logits, klest.multi_teacher_kl_from_hidden
+    cases = {
+        "route outside": (
+            ValueError,
+            r"outside \[0, 3\)",
+            lambda: f(z, ts, route=torch.tensor([0, 3])),
+        ),
+        "route negative": (ValueError, "route", lambda: f(z, ts, route=torch.tensor([-1, 0]))),
+        "route shape": (ValueError, "route has shape", lambda: f(z, ts, route=torch.tensor([0]))),
+        "route float": (TypeError, "integer", lambda: f(z, ts, route=torch.tensor([0.0, 1.0]))),
+        "both": (
+            ValueError,
+            "not both",
+            lambda: f(z, ts, weights=[1, 0, 0], route=torch.tensor([0, 1])),
+        ),
+        "K mismatch": (ValueError, r"\(3,\)", lambda: f(z, ts, weights=[0.5, 0.5])),
+        "negative": (ValueError, ">= 0", lambda: f(z, ts, weights=[1.5, -0.5, 0.0])),
+        "sum": (ValueError, "sum to 1", lambda: f(z, ts, weights=[0.5, 0.2, 0.2])),
+        "per-position sum": (
+            ValueError,
+            "sum to 1",
+            lambda: f(z, ts, weights=torch.full((2, 3, K), 0.3, dtype=F64)),
+        ),
+        "teacher shape": (ValueError, r"teacher_logits\[1\]", lambda: f(z, [ts[0], ts[1][:1]])),
+        "tensor": (TypeError, "sequence", lambda: f(z, ts[0])),
+        "empty": (TypeError, "non-empty", lambda: f(z, [])),
+        "hidden K": (
+            ValueError,
+            "2 tensors but teacher_weights 3",
+            lambda: fh(h, w, [h, h], [w, w, w]),
+        ),
+        "biases K": (
+            ValueError,
+            "teacher_biases",
+            lambda: fh(h, w, h, [w, w], teacher_biases=[None]),
+        ),
+        "hidden shape": (ValueError, "teacher_hidden", lambda: fh(h, w, h[:1], [w])),
+        "hidden route": (
+            ValueError,
+            "outside",
+            lambda: fh(h, w, h, [w, w], route=torch.tensor([0, 2])),
+        ),
+    }
+    for err, match, call in cases.values():
+        with pytest.raises(err, match=match):
+            call()
+    # a masked position's weights are not read
+    wts = torch.full((2, 3, K), 0.3, dtype=F64)
+    wts[..., 0] = 0.4
+    wts[1, 2] = -5.0
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    mask[1, 2] = False
+    assert torch.isfinite(f(z, ts, weights=wts, mask=mask))
