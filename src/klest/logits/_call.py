@@ -226,6 +226,30 @@ def finish(outputs: tuple[Tensor, ...], pos: Positions) -> Tensor | WithDetails[
     return WithDetails(result, details)
 
 
+def check_valid_vocab_size(valid: object, widths: tuple[int, ...]) -> int:
+    """``valid_vocab_size`` as an int in ``[1, min(widths)]``."""
+    if isinstance(valid, bool) or not isinstance(valid, int):
+        raise TypeError(f"valid_vocab_size must be an int, got {type(valid).__name__}")
+    if not 1 <= valid <= min(widths):
+        raise ValueError(
+            f"valid_vocab_size must be in [1, V = {min(widths)}] (the narrower model's "
+            f"vocabulary), got {valid}"
+        )
+    return valid
+
+
+def valid_columns(
+    valid: int | None, *tensors: Tensor | None, dim: int = -1
+) -> tuple[Tensor | None, ...]:
+    """Each tensor's first ``valid`` entries along ``dim`` (logits: their columns; LM heads and
+    biases: their rows, ``dim=0``), the rest padding; all of them when ``valid`` is None."""
+    widths = tuple(t.shape[dim] for t in tensors if t is not None)
+    if valid is None or not widths:
+        return tensors
+    check_valid_vocab_size(valid, widths)
+    return tuple(None if t is None else t.narrow(dim, 0, valid) for t in tensors)
+
+
 def value_of(stats: KLRowStats, direction: str, ce_weight: float) -> Tensor:
     """Each row's value: its KL in ``direction``, plus ``ce_weight`` times its label's
     cross-entropy ``-log pi(label)``."""

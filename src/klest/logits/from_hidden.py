@@ -64,6 +64,7 @@ from klest.logits._call import (
     in_sequences,
     plus_grads,
     positions,
+    valid_columns,
     value_coefficients,
     value_grads,
     value_of,
@@ -502,6 +503,7 @@ def kl_from_hidden(
     stash: bool | None = None,
     scale: float | Tensor | None = None,
     ce_weight: float = 0.0,
+    valid_vocab_size: int | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -562,6 +564,9 @@ def kl_from_hidden(
         that ``loss = pg + kl_from_hidden(..., scale=beta)`` reaches the backward with 1.
       ce_weight: add ``ce_weight`` times the labels' cross-entropy ``-log pi(label)`` to each
         position's KL (SFT + distillation in one pass; needs ``labels``).
+      valid_vocab_size: the real vocabulary :math:`V'`: only each head's first :math:`V'` rows
+        count (the rest padding, as in :func:`klest.kl_from_logits`); the heads may then differ
+        in rows. No copy: the rows are a view.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`klest.kl_from_logits`.
       return_details: also return a :class:`~klest.LogitsDetails`.
@@ -609,6 +614,7 @@ def kl_from_hidden(
         return_details=return_details,
         make_plan=make_plan,
         workspace=workspace_bytes_per_row,
+        valid_vocab_size=valid_vocab_size,
     )
 
 
@@ -641,6 +647,7 @@ def run_hidden(
     scale: float | Tensor | None = None,
     ce_weight: float = 0.0,
     shard: VocabShard | None = None,
+    valid_vocab_size: int | None = None,
 ) -> Tensor | WithDetails[LogitsDetails]:
     """Check a fused call's arguments, plan its chunks (``make_plan(1 / T, backend, rows)``;
     ``workspace(V)``: the PyTorch path's bytes per row), run it and shape the result. With
@@ -648,6 +655,11 @@ def run_hidden(
     global ids, and every rank plans the same chunks."""
     refuse_sharded_weight(weight, hidden, "weight")
     refuse_sharded_weight(weight_ref, hidden_ref, "weight_ref")
+    if valid_vocab_size is not None:  # the heads' first V' rows, ref's logits' first columns
+        weight, bias, weight_ref, bias_ref = valid_columns(
+            valid_vocab_size, weight, bias, weight_ref, bias_ref, dim=0
+        )
+        (logits_ref,) = valid_columns(valid_vocab_size, logits_ref)
     check_plan_options(backend, memory_budget, chunk_size)
     tau = check_temperature(temperature)
     check_linear("", hidden, weight, bias)

@@ -36,6 +36,7 @@ from torch.autograd.function import once_differentiable
 
 from klest._checks import (
     ValueChecks,
+    check_float_tensor,
     check_logits_pair,
     check_rows_have_distributions,
     check_temperature,
@@ -52,6 +53,7 @@ from klest.logits._call import (
     plan_for,
     plus_grads,
     positions,
+    valid_columns,
     value_coefficients,
     value_grads,
     value_of,
@@ -219,8 +221,14 @@ def logits_positions(
     reduction: str,
     details: bool,
     checks: ValueChecks,
+    valid_vocab_size: int | None = None,
 ) -> tuple[Tensor, Tensor, Positions, float]:
-    """Check a call on logits ``[..., V]``: their rows ``[N, V]``, positions and temperature."""
+    """Check a call on logits ``[..., V]``: their rows ``[N, V]``, positions and temperature
+    (with ``valid_vocab_size``, of the first V' columns)."""
+    if valid_vocab_size is not None:
+        for name, t in (("logits", logits), ("logits_ref", logits_ref)):
+            check_float_tensor(name, t, what="logits")
+        logits, logits_ref = valid_columns(valid_vocab_size, logits, logits_ref)
     logits, logits_ref = check_logits_pair(logits, logits_ref)
     tau = check_temperature(temperature)
     v = logits.shape[-1]
@@ -261,6 +269,7 @@ def _run(
     scale: float | Tensor | None = None,
     ce_weight: float = 0.0,
     overwrite: bool = False,
+    valid_vocab_size: int | None = None,
 ) -> tuple[tuple[Tensor, ...], Positions]:
     z, y, pos, tau = logits_positions(
         logits,
@@ -273,6 +282,7 @@ def _run(
         reduction=reduction,
         details=details,
         checks=checks,
+        valid_vocab_size=valid_vocab_size,
     )
     pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, logits.device, checks)
     pos = with_result(pos, scale=scale, ce_weight=ce_weight)
@@ -338,6 +348,7 @@ def kl_from_logits(
     scale: float | Tensor | None = None,
     ce_weight: float = 0.0,
     overwrite_logits: bool = False,
+    valid_vocab_size: int | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -406,6 +417,12 @@ def kl_from_logits(
       overwrite_logits: write the gradient over ``logits`` (and ``logits_ref``, when it
         requires grad) instead of a new ``[N, V]`` tensor: the logits are gone after the call
         (off by default: trainers reuse them). The details then carry no gradient.
+      valid_vocab_size: the real vocabulary :math:`V'`: only the first :math:`V'` columns of
+        each model's logits count, the rest being padding (Megatron pads V to a multiple of
+        the tensor-parallel size times 128; a teacher and a student may pad to different
+        sizes, 152064 and 151936 for two Qwen models): the distributions over the first
+        :math:`V'` tokens, padding's gradient 0. The two logits may then differ in width.
+        Costs a copy of those columns where they are not the whole row.
       cu_seqlens: packed sequences (:mod:`klest.layout`): the positions ``[total]`` hold the
         tokens of ``S`` sequences one after another, at offsets ``cu_seqlens`` ``[S + 1]``; the
         sequence reductions follow them (``"per-sequence"`` gives ``[S]``).
@@ -459,6 +476,7 @@ def kl_from_logits(
         scale=scale,
         ce_weight=ce_weight,
         overwrite=overwrite_logits,
+        valid_vocab_size=valid_vocab_size,
     )
     checks.run()
     return finish(outputs, pos)

@@ -30,7 +30,14 @@ from torch import Tensor
 from klest._checks import ValueChecks, check_logits_pair, check_temperature, resolve_validate
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails
-from klest.logits._call import LogitsDetails, finish, in_sequences, plan_for, positions
+from klest.logits._call import (
+    LogitsDetails,
+    check_valid_vocab_size,
+    finish,
+    in_sequences,
+    plan_for,
+    positions,
+)
 from klest.logits._stats import KLRowStats
 from klest.logits.from_logits import rows_kl
 
@@ -66,14 +73,6 @@ def given_layout(start: object, vocab_size: object, v_local: int) -> tuple[int, 
             f"vocab_size={vocab_size}"
         )
     return start, vocab_size
-
-
-def check_valid_vocab_size(valid: object, v_total: int) -> int:
-    if isinstance(valid, bool) or not isinstance(valid, int):
-        raise TypeError(f"valid_vocab_size must be an int, got {type(valid).__name__}")
-    if not 1 <= valid <= v_total:
-        raise ValueError(f"valid_vocab_size must be in [1, V = {v_total}], got {valid}")
-    return valid
 
 
 def _valid_columns(z: Tensor, y: Tensor, keep: int) -> tuple[Tensor, Tensor]:
@@ -243,7 +242,7 @@ def kl_from_logits_vocab_parallel(
     else:
         offset, v_total = given_layout(vocab_start_index, vocab_size, v_local)
     if valid_vocab_size is not None:
-        v_valid = check_valid_vocab_size(valid_vocab_size, v_total)
+        v_valid = check_valid_vocab_size(valid_vocab_size, (v_total,))
         z, y = _valid_columns(z, y, v_valid - offset)
         v_local, v_total = z.shape[-1], v_valid
     pos = positions(

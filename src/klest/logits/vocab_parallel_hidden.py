@@ -33,13 +33,12 @@ from torch import Tensor
 from klest._checks import check_linear
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails
-from klest.logits._call import LogitsDetails, value_grads
+from klest.logits._call import LogitsDetails, check_valid_vocab_size, value_grads
 from klest.logits._rows import row_grads, row_stats, workspace_bytes_per_row
 from klest.logits._stats import KLRowStats
 from klest.logits.from_hidden import _KLPlan, run_hidden
 from klest.logits.vocab_parallel import (
     VocabShard,
-    check_valid_vocab_size,
     given_layout,
     merge_shards,
     shard_layout,
@@ -236,7 +235,7 @@ def kl_from_hidden_vocab_parallel(
         offset, v_total = given_layout(vocab_start_index, vocab_size, v_local)
         widest = -(-v_total // world)
     if valid_vocab_size is not None:
-        v_total = check_valid_vocab_size(valid_vocab_size, v_total)
+        v_total = check_valid_vocab_size(valid_vocab_size, (v_total,))
         keep = v_total - offset
         weight, bias = _cut_head(weight, bias, keep)
         weight_ref, bias_ref = _cut_head(weight_ref, bias_ref, keep)
