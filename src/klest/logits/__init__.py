@@ -17,7 +17,7 @@ teachers (:mod:`~klest.logits.multi_teacher`).
 from klest.logits.reference import categorical_kl
 from klest.logits._stats import KLRowStats
 from klest.logits._call import LogitsDetails
-from klest.logits.from_logits import kl_from_logits
+from klest.logits.dtensor import kl_from_logits
 from klest.logits.from_hidden import kl_from_hidden
 from klest.logits.divergences import jsd_from_logits
 from klest.logits.divergences import jsd_from_hidden

@@ -16,17 +16,20 @@ shard of the vocabulary.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
-__all__ = ["is_dtensor", "kl_dtensor"]
+from klest._checks import ValueChecks
+from klest._types import DEFAULT_REDUCTION
+from klest.logits._sharded import is_dtensor
+from klest.logits.from_logits import kl_from_logits as kl_from_plain_logits
+from klest.logits.from_logits import position_kls as plain_position_kls
+from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
 
-
-def is_dtensor(x: object) -> bool:
-    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (without importing it early)."""
-    return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
+__all__ = ["is_dtensor", "kl_dtensor", "kl_from_logits", "position_kls"]
 
 
 def _placements(logits: Any, logits_ref: Any, name: str) -> tuple[int | None, list[int]]:
@@ -123,18 +126,44 @@ def kl_dtensor(
     return wrapped
 
 
-def local_of(x: Any) -> Tensor:
-    """A DTensor's local tensor, a plain tensor as it is."""
-    return _local(x)
+@functools.wraps(kl_from_plain_logits)
+def kl_from_logits(logits: Tensor, logits_ref: Tensor, **options: Any) -> Any:
+    if not (is_dtensor(logits) or is_dtensor(logits_ref)):
+        return kl_from_plain_logits(logits, logits_ref, **options)
+    reduction = options.pop("reduction", DEFAULT_REDUCTION)
+    counts = options.pop("counts", None)
+    return kl_dtensor(
+        logits,
+        logits_ref,
+        single=kl_from_plain_logits,
+        vocab_parallel=kl_from_logits_vocab_parallel,
+        reduction=reduction,
+        counts=counts,
+        options=options,
+    )
 
 
-def refuse_sharded_weight(weight: object, hidden: object, name: str) -> None:
-    """A DTensor head weight with plain hidden states is an FSDP2 shard read outside the
-    module's forward: refuse it with the module form that gathers it."""
-    if is_dtensor(weight) and not is_dtensor(hidden):
-        raise ValueError(
-            f"{name} is a DTensor shard (a head sharded by FSDP2's fully_shard?) read outside its "
-            "module's forward; use klest.nn.KLFromHidden(lm_head, ref_head, gather_with=model), "
-            "which runs the KL as a forward method of the sharded model so that the weights are "
-            "gathered, or pass the gathered weight"
-        )
+def position_kls(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    direction: str,
+    keep: Tensor | None,
+    checks: ValueChecks,
+) -> Tensor:
+    """Exact per-position KLs ``[...]`` for klest's estimators (0 where ``keep`` is False), as
+    a plain tensor of this rank's positions: DTensor logits go through :func:`kl_dtensor` (the
+    vocabulary-parallel path runs its own value checks)."""
+    if not (is_dtensor(logits) or is_dtensor(logits_ref)):
+        return plain_position_kls(logits, logits_ref, direction=direction, keep=keep, checks=checks)
+    out = kl_dtensor(
+        logits,
+        logits_ref,
+        single=kl_from_plain_logits,
+        vocab_parallel=kl_from_logits_vocab_parallel,
+        reduction="none",
+        counts=None,
+        options={"direction": direction, "mask": keep},
+        name="kl_penalty",
+    )
+    return out.to_local()

@@ -78,8 +78,8 @@ from klest.logits._rows import (
     row_stats_grads,
     workspace_bytes_per_row,
 )
+from klest.logits._sharded import refuse_sharded_weight
 from klest.logits._stats import Grads, KLRowStats
-from klest.logits.dtensor import refuse_sharded_weight
 from klest.logits.kernels import scale_
 from klest.logits.vocab_parallel import VocabShard
 

@@ -443,6 +443,10 @@ def kl_from_logits(
       ValueError: mismatched shapes or V, NaN / ``+inf`` logits or a row of only ``-inf`` at a
         kept position, bad mask / labels / temperature / names.
 
+    DTensor ``logits`` and ``logits_ref`` (a device mesh whose tensor-parallel dimension shards
+    the vocabulary: torchtitan, NeMo-RL's DTensor policy) run the vocabulary-parallel path over
+    that dimension's group and return a DTensor (:mod:`klest.logits.dtensor`).
+
     Example:
       >>> z = torch.randn(2, 5, 11, requires_grad=True); y = torch.randn(2, 5, 11)
       >>> kl = kl_from_logits(z, y)  # mean over the 2 sequences of the summed per-token KL
