@@ -78,7 +78,32 @@ def _rank_v(v, mesh_shape):
     )
     loss.sum().backward()
     results["penalty"] = (loss.detach(), lp.grad, zz.grad.to_local())
+    if len(mesh_shape) == 1:  # heads sharded over their rows, replicated hidden states
+        results["hidden"] = _hidden_dtensor(mesh, v)
     return results
+
+
+def _hidden_inputs(v):
+    g = torch.Generator().manual_seed(6)
+    shapes = [(B, T, 5), (v, 5), (B, T, 3), (v, 3)]
+    return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
+
+
+def _hidden_dtensor(mesh, v):
+    h, w, h_ref, w_ref = _hidden_inputs(v)
+    leaves = [
+        distribute_tensor(h, mesh, [Replicate()]).requires_grad_(),
+        distribute_tensor(w, mesh, [Shard(0)]).requires_grad_(),
+    ]
+    kl = klest.kl_from_hidden(
+        *leaves,
+        distribute_tensor(h_ref, mesh, [Replicate()]),
+        distribute_tensor(w_ref, mesh, [Shard(0)]),
+        reduction="token-mean",
+    )
+    assert list(kl.placements) == [Replicate()], kl.placements
+    kl.full_tensor().backward()
+    return kl.full_tensor().detach(), leaves[0].grad.full_tensor(), leaves[1].grad.to_local()
 
 
 def _t_slice(cp_rank: int, cp: int) -> slice:
@@ -150,10 +175,25 @@ def _check(results, v, mesh_shape):
 
 
 def test_one_dimensional_mesh_shards_the_vocabulary(tmp_path):
-    """V = 8 (even chunks) and 7 (DTensor's uneven ones) in one spawn."""
+    """V = 8 (even chunks) and 7 (DTensor's uneven ones) in one spawn; logits and, from
+    hidden states, heads sharded over their rows (the hidden states' gradient, a Partial sum
+    over the ranks, reduces to the whole one)."""
     results = run_ranks(_rank, 2, tmp_path, (2,), (8, 7))
     for v in (8, 7):
         _check(results, v, (2,))
+        h, w, h_ref, w_ref = (t.requires_grad_(i < 2) for i, t in enumerate(_hidden_inputs(v)))
+        kl = klest.kl_from_hidden(h, w, h_ref, w_ref, reduction="token-mean")
+        d_h, d_w = torch.autograd.grad(kl, [h, w])
+        rows = torch.arange(v).chunk(2)
+        for rank, by_v in enumerate(results):
+            got, g_h, g_w = by_v[v]["hidden"]
+            what = f"hidden V={v} rank {rank}"
+            assert_close_to_rounding(got, kl.detach(), ulps=2 * VALUE_ULPS, what=what)
+            tol = float(d_h.abs().max())
+            assert_close_to_rounding(g_h, d_h, ulps=4 * GRAD_ULPS, scale=tol, what=what)
+            e = d_w[rows[rank][0] : rows[rank][-1] + 1]
+            tol = float(d_w.abs().max())
+            assert_close_to_rounding(g_w, e, ulps=4 * GRAD_ULPS, scale=tol, what=what)
 
 
 def test_context_by_tensor_mesh(tmp_path):

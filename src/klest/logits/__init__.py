@@ -18,7 +18,7 @@ from klest.logits.reference import categorical_kl
 from klest.logits._stats import KLRowStats
 from klest.logits._call import LogitsDetails
 from klest.logits.dtensor import kl_from_logits
-from klest.logits.from_hidden import kl_from_hidden
+from klest.logits.dtensor import kl_from_hidden
 from klest.logits.divergences import jsd_from_logits
 from klest.logits.divergences import jsd_from_hidden
 from klest.logits.divergences import skew_kl_from_logits

@@ -531,6 +531,11 @@ def kl_from_hidden(
     (``reduction="none"`` / ``"per-sequence"``), ``stash=False``, or a gradient through the
     details recompute the logits in the backward instead (2 more products).
 
+    DTensor hidden states and heads whose rows are sharded over a mesh dimension (``Shard(0)``:
+    tensor parallelism, torchtitan's column-wise ``lm_head``) run
+    :func:`klest.kl_from_hidden_vocab_parallel` over that dimension's group and return a DTensor
+    (:mod:`klest.logits.dtensor`).
+
     See "Better Estimation of the Kullback-Leibler Divergence Between Language Models" by Afra
     Amini, Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637).
 
