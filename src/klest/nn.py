@@ -195,6 +195,10 @@ class KLFromLogits(nn.Module):
       backend: as in :func:`klest.kl_from_logits`.
       memory_budget: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`klest.kl_from_logits`.
+      scale: multiplies the result (a loss coefficient such as beta), as in
+        :func:`klest.kl_from_logits`: the gradient made in the forward pass then reaches the
+        backward with nothing left to do.
+      ce_weight: as in :func:`klest.kl_from_logits` (the labels' cross-entropy added, weighted).
 
     Example:
       >>> loss_fn = KLFromLogits(direction="pi||ref", reduction="token-mean")
@@ -212,6 +216,8 @@ class KLFromLogits(nn.Module):
         backend: Backend = "auto",
         memory_budget: int | None = None,
         validate: bool | None = None,
+        scale: float | None = None,
+        ce_weight: float = 0.0,
     ) -> None:
         super().__init__()
         self.direction = check_direction(direction)
@@ -221,6 +227,8 @@ class KLFromLogits(nn.Module):
         self.backend = backend
         self.memory_budget = memory_budget
         self.validate = validate
+        self.scale = scale
+        self.ce_weight = ce_weight
 
     def forward(
         self,
@@ -250,6 +258,8 @@ class KLFromLogits(nn.Module):
             max_seqlen=max_seqlen,
             counts=counts,
             validate=self.validate,
+            scale=self.scale,
+            ce_weight=self.ce_weight,
             return_details=return_details,
         )
 
@@ -278,6 +288,10 @@ class KLFromHidden(nn.Module):
       backend: as in :func:`klest.kl_from_hidden`.
       memory_budget: as in :func:`klest.kl_from_hidden`.
       validate: as in :func:`klest.kl_from_hidden`.
+      scale: multiplies the result (a loss coefficient such as beta), as in
+        :func:`klest.kl_from_hidden`: the gradient made in the forward pass then reaches the
+        backward with nothing left to do.
+      ce_weight: as in :func:`klest.kl_from_hidden` (the labels' cross-entropy added, weighted).
 
     Example:
       >>> student_head, teacher_head = torch.nn.Linear(8, 40), torch.nn.Linear(8, 40)
@@ -299,6 +313,8 @@ class KLFromHidden(nn.Module):
         backend: Backend = "auto",
         memory_budget: int | None = None,
         validate: bool | None = None,
+        scale: float | None = None,
+        ce_weight: float = 0.0,
     ) -> None:
         super().__init__()
         for name, head in (("lm_head", lm_head), ("ref_head", ref_head)):
@@ -312,6 +328,8 @@ class KLFromHidden(nn.Module):
         self.backend = backend
         self.memory_budget = memory_budget
         self.validate = validate
+        self.scale = scale
+        self.ce_weight = ce_weight
 
     def forward(
         self,
@@ -352,6 +370,8 @@ class KLFromHidden(nn.Module):
             max_seqlen=max_seqlen,
             counts=counts,
             validate=self.validate,
+            scale=self.scale,
+            ce_weight=self.ce_weight,
             return_details=return_details,
         )
 
