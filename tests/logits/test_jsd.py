@@ -377,6 +377,7 @@ needs_triton = pytest.mark.skipif(
     not triton_available(),
     reason="needs triton with CUDA or TRITON_INTERPRET=1 (make test sets it)",
 )
+KERNEL_DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 
 
 @needs_triton
@@ -422,6 +423,7 @@ def test_kernel_rows_not_kept_are_not_read_and_get_zeros(div):
     g = torch.Generator().manual_seed(5)
     z, y = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g)
     keep = torch.tensor([True, False, True, False, True])
+    z, y, keep = (t.to(KERNEL_DEVICE) for t in (z, y, keep))
     bad_z, bad_y = z.clone(), y.clone()
     bad_z[1], bad_y[3] = torch.nan, torch.inf
     lse = z.logsumexp(-1), y.logsumexp(-1)
@@ -429,7 +431,7 @@ def test_kernel_rows_not_kept_are_not_read_and_get_zeros(div):
     kept_lse = (torch.where(keep, t, 0.0) for t in lse)  # what kl_logits_forward gives them
     part = divergence_forward(bad_z, bad_y, *kept_lse, div, keep=keep)
     assert torch.equal(part, torch.where(keep, full, 0.0))
-    grad = torch.linspace(0.5, 1.5, 5)
+    grad = torch.linspace(0.5, 1.5, 5, device=KERNEL_DEVICE)
     dz, dy = divergence_backward(z, y, *lse, full[1], full[2], grad, div, need_grad_y=True)
     dz2, dy2 = divergence_backward(
         bad_z, bad_y, *lse, part[1], part[2], grad, div, need_grad_y=True, keep=keep
@@ -453,10 +455,12 @@ def test_fused_kernel_matches_reference(div, block_v):
     z, y = torch.randn(5, 157, generator=g) * 3, torch.randn(5, 157, generator=g) * 3
     grad = torch.linspace(-1.0, 2.0, 5)
     tau = 0.8
-    zc = z.clone()
+    zc, y_dev, grad_dev = (t.to(KERNEL_DEVICE) for t in (z.clone(), y, grad))
     _, mix, dz, dy = divergence_fused(
-        zc, y, grad, div, temperature=tau, need_grad_y=True, dz=zc, block_v=block_v, programs=2
-    )
+        zc, y_dev, grad_dev, div, temperature=tau, need_grad_y=True, dz=zc, block_v=block_v,
+        programs=2,
+    )  # fmt: skip
+    mix, dz, dy = mix.cpu(), dz.cpu(), dy.cpu()
     assert dz is zc
     z64, y64 = z.double().requires_grad_(True), y.double().requires_grad_(True)
     q, p = torch.softmax(z64 / tau, -1), torch.softmax(y64 / tau, -1)
