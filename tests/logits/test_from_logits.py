@@ -598,16 +598,18 @@ def test_scale_ce_weight_and_overwrite_match_reference(backend, direction, overw
     per_position = ref["kl"] - w * ref["logp_label"]
     want = scale * per_position[kept].mean()
     rz, ry = torch.autograd.grad(want, [zr, yr])
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
     for upstream in (1.0, 2.5):
-        z, y = z0 * 1.0, y0 * 1.0  # the logits a head makes (overwritten when asked)
+        # the logits a head makes (overwritten when asked)
+        z, y = z0.to(dev) * 1.0, y0.to(dev) * 1.0
         got = kl_from_logits(
             z,
             y,
             direction=direction,
             reduction="token-mean",
             temperature=temperature,
-            labels=labels,
-            mask=mask,
+            labels=labels.to(dev),
+            mask=mask.to(dev),
             scale=scale,
             ce_weight=w,
             overwrite_logits=overwrite,
@@ -615,10 +617,11 @@ def test_scale_ce_weight_and_overwrite_match_reference(backend, direction, overw
             chunk_size=2,
         )
         dz, dy = torch.autograd.grad(got * upstream, [z0, y0])
+        got = got.cpu()
         what = f"{backend} {direction} overwrite={overwrite} upstream={upstream}"
         value_close(got, want, z0, y0, temperature=temperature, what=what, terms=2)
         if overwrite:  # the gradient went where the logits were
-            assert_verbose_close(z.detach(), dz, atol=0.0, what=f"overwritten {what}")
+            assert_verbose_close(z.detach().cpu(), dz, atol=0.0, what=f"overwritten {what}")
         up = torch.full(mask.shape, scale * upstream / float(kept.sum()), dtype=torch.float64)
         up = up * kept
         g_scale = arithmetic_scale(z0, y0, temperature, up * (1 + w))
