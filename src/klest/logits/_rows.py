@@ -207,39 +207,52 @@ def _chunk_grads(
     ``ch.stats`` and ``g`` hold the chunk's rows as columns ``[rows, 1]``."""
     st = ch.stats
     la, q, d = ch.la, ch.q, ch.d
-    p = ch.p if ch.p is not None else ch.lb.exp()
     g1, g2, g3, g4, g5 = g.kl_pi_ref, g.kl_ref_pi, g.entropy, g.logp_label, g.logp_ref_label
+    p = ch.p
+    if p is None and (need_y or g2 is not None):
+        p = ch.lb.exp()
     da = db = None
     # A row whose KL is +inf has no gradient; with upstream gradient 0 it still passes 0, not
     # 0 * inf = NaN: its terms are dropped, not multiplied by 0. (Rows on the fast path are
     # finite and need no selects.)
     if need_z:
-        coef = torch.zeros_like(q)
+        coef = None
         if g1 is not None:
-            term = d - st.kl_pi_ref
-            coef += g1 * (torch.where((q > 0) & (g1 != 0), term, 0.0) if ch.masked else term)
+            coef = torch.sub(d, st.kl_pi_ref)
+            if ch.masked:
+                coef = torch.where((q > 0) & (g1 != 0), coef, 0.0)
+            coef.mul_(g1)
         if g3 is not None:
-            term = la + st.entropy
-            coef -= g3 * (torch.where(q > 0, term, 0.0) if ch.masked else term)
-        if g2 is not None:
-            coef += g2
+            term = torch.add(la, st.entropy)
+            if ch.masked:
+                term = torch.where(q > 0, term, 0.0)
+            term.mul_(g3)
+            coef = term.neg_() if coef is None else coef.sub_(term)
+        shift = g2  # the per-row constants of the coefficient: g2 - g4
         if g4 is not None:
-            coef -= g4
-        da = coef.mul_(q)
+            shift = -g4 if shift is None else shift - g4
+        if shift is not None:
+            coef = shift.expand_as(q).clone() if coef is None else coef.add_(shift)
+        da = torch.zeros_like(q) if coef is None else coef.mul_(q)
         if g2 is not None:
-            da -= g2 * p
+            da.addcmul_(p, g2, value=-1.0)
         if g4 is not None:
             _add_onehot(da, lab, g4)
     if need_y:
-        db = torch.zeros_like(p)
+        db = None
         if g1 is not None:
-            db += g1 * (p - q)
+            db = torch.sub(p, q).mul_(g1)
         if g2 is not None:
-            term = p * (d + st.kl_ref_pi)
-            db -= g2 * (torch.where((p > 0) & (g2 != 0), term, 0.0) if ch.masked else term)
+            term = torch.add(d, st.kl_ref_pi).mul_(p)
+            if ch.masked:
+                term = torch.where((p > 0) & (g2 != 0), term, 0.0)
+            term.mul_(g2)
+            db = term.neg_() if db is None else db.sub_(term)
         if g5 is not None:
-            db -= g5 * p
+            db = torch.mul(p, -g5) if db is None else db.addcmul_(p, g5, value=-1.0)
             _add_onehot(db, lab, g5)
+        if db is None:
+            db = torch.zeros_like(p)
     return da, db
 
 
@@ -381,7 +394,10 @@ def _torch_rows(
     need_z, need_y = dz is not None, dy is not None
     with_grads = grads is not None and (need_z or need_y)
     entropy = want_entropy or (with_grads and grads.entropy is not None)
-    needs = _ChunkNeeds(p=kl_ba or with_grads, kl_ba=kl_ba, entropy=entropy)
+    # ref's probabilities: for KL(ref||pi), or a gradient that has them (not KL(pi||ref)'s
+    # gradient to pi's logits alone)
+    p_in_grads = with_grads and (need_y or grads.kl_ref_pi is not None)
+    needs = _ChunkNeeds(p=kl_ba or p_in_grads, kl_ba=kl_ba, entropy=entropy)
     for sel in chunks(n, rows, chunk):
         a = scaled(take(z, sel), inv_tau, out.dtype)
         b = scaled(take(y, sel), inv_tau, out.dtype)
