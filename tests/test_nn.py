@@ -228,3 +228,23 @@ def test_gather_with_must_be_fully_sharded():
     head = torch.nn.Linear(3, 5)
     with pytest.raises(TypeError, match="fully_shard"):
         klest.nn.KLFromHidden(head, gather_with=torch.nn.Linear(3, 5))
+def test_exact_kl_modules_pass_scale_and_ce_weight_through():
+    """``scale`` and ``ce_weight`` reach the functions: the modules equal the function calls
+    with them, value and gradient, bit for bit (the same code)."""
+    g = torch.Generator().manual_seed(9)
+    z = torch.randn(2, 3, 11, generator=g, dtype=torch.float64).requires_grad_()
+    y = torch.randn(2, 3, 11, generator=g, dtype=torch.float64)
+    labels = torch.tensor([[1, 2, -100], [0, 10, 4]])
+    got = KLFromLogits(reduction="token-mean", scale=0.2, ce_weight=0.5)(z, y, labels=labels)
+    want = klest.kl_from_logits(
+        z, y, labels=labels, reduction="token-mean", scale=0.2, ce_weight=0.5
+    )
+    assert torch.equal(got, want)
+    assert torch.equal(*(torch.autograd.grad(t, z)[0] for t in (got, want)))
+    head = torch.nn.Linear(4, 11).double()
+    h = torch.randn(2, 3, 4, generator=g, dtype=torch.float64)
+    got = KLFromHidden(head, scale=0.3, ce_weight=0.25)(h, logits_ref=y, labels=labels)
+    want = klest.kl_from_hidden(
+        h, head.weight, logits_ref=y, bias=head.bias, labels=labels, scale=0.3, ce_weight=0.25
+    )
+    assert torch.equal(got, want)

@@ -46,6 +46,7 @@ from klest.logits import jsd_from_logits
 from klest.logits import kl_from_hidden
 from klest.logits import kl_from_logits
 from klest.logits import kl_from_logits_vocab_parallel
+from klest.logits import kl_from_hidden_vocab_parallel
 from klest.logits import skew_kl_from_logits
 from klest.logits import skew_kl_from_hidden
 from klest.logits import tv_from_logits
@@ -150,6 +151,7 @@ __all__ = [
     "k_abs",
     "kl_estimate",
     "kl_from_hidden",
+    "kl_from_hidden_vocab_parallel",
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
     "kl_from_topk",

@@ -529,9 +529,16 @@ def check_logits_pair(
             raise ValueError(f"{name} must be {want} with V >= 1, got shape {tuple(t.shape)}")
     assert isinstance(logits, Tensor) and isinstance(logits_ref, Tensor)
     if logits.shape != logits_ref.shape:
+        padded = logits.shape[:-1] == logits_ref.shape[:-1]
         raise ValueError(
             f"{names[0]} has shape {tuple(logits.shape)} but {names[1]} has shape "
             f"{tuple(logits_ref.shape)}; they must match (same positions, same vocabulary V)"
+            + (
+                "; two models whose vocabularies are padded to different sizes: pass "
+                "valid_vocab_size=<the tokenizer's vocabulary size> to leave the padding out"
+                if padded
+                else ""
+            )
         )
     check_same_device(**{names[0]: logits, names[1]: logits_ref})
     return logits, logits_ref

@@ -198,6 +198,10 @@ class KLFromLogits(nn.Module):
       backend: as in :func:`klest.kl_from_logits`.
       memory_budget: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`klest.kl_from_logits`.
+      scale: multiplies the result (a loss coefficient such as beta), as in
+        :func:`klest.kl_from_logits`: the gradient made in the forward pass then reaches the
+        backward with nothing left to do.
+      ce_weight: as in :func:`klest.kl_from_logits` (the labels' cross-entropy added, weighted).
 
     Example:
       >>> loss_fn = KLFromLogits(direction="pi||ref", reduction="token-mean")
@@ -215,6 +219,8 @@ class KLFromLogits(nn.Module):
         backend: Backend = "auto",
         memory_budget: int | None = None,
         validate: bool | None = None,
+        scale: float | None = None,
+        ce_weight: float = 0.0,
     ) -> None:
         super().__init__()
         self.direction = check_direction(direction)
@@ -224,6 +230,8 @@ class KLFromLogits(nn.Module):
         self.backend = backend
         self.memory_budget = memory_budget
         self.validate = validate
+        self.scale = scale
+        self.ce_weight = ce_weight
 
     def forward(
         self,
@@ -253,6 +261,8 @@ class KLFromLogits(nn.Module):
             max_seqlen=max_seqlen,
             counts=counts,
             validate=self.validate,
+            scale=self.scale,
+            ce_weight=self.ce_weight,
             return_details=return_details,
         )
 
@@ -291,6 +301,10 @@ class KLFromHidden(nn.Module):
       validate: as in :func:`klest.kl_from_hidden`.
       gather_with: the FSDP2-sharded module(s) that own the heads' parameters (None: the
         heads' weights are plain tensors).
+      scale: multiplies the result (a loss coefficient such as beta), as in
+        :func:`klest.kl_from_hidden`: the gradient made in the forward pass then reaches the
+        backward with nothing left to do.
+      ce_weight: as in :func:`klest.kl_from_hidden` (the labels' cross-entropy added, weighted).
 
     Example:
       >>> student_head, teacher_head = torch.nn.Linear(8, 40), torch.nn.Linear(8, 40)
@@ -313,6 +327,8 @@ class KLFromHidden(nn.Module):
         memory_budget: int | None = None,
         validate: bool | None = None,
         gather_with: nn.Module | Sequence[nn.Module] | None = None,
+        scale: float | None = None,
+        ce_weight: float = 0.0,
     ) -> None:
         super().__init__()
         for name, head in (("lm_head", lm_head), ("ref_head", ref_head)):
@@ -334,6 +350,8 @@ class KLFromHidden(nn.Module):
                     "gather_with must hold modules sharded with torch.distributed.fsdp."
                     f"fully_shard (FSDP2), got {type(owner).__name__}"
                 )
+        self.scale = scale
+        self.ce_weight = ce_weight
 
     def forward(
         self,
@@ -399,6 +417,8 @@ class KLFromHidden(nn.Module):
             max_seqlen=max_seqlen,
             counts=counts,
             validate=self.validate,
+            scale=self.scale,
+            ce_weight=self.ce_weight,
             return_details=return_details,
         )
 

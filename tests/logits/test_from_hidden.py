@@ -290,3 +290,30 @@ def test_bf16_hidden_states_with_a_float32_head():
     jsd = klest.jsd_from_hidden(h, w, hr, wr, beta=0.5, bias=b, bias_ref=br)
     want_jsd = klest.jsd_from_logits(z, y, beta=0.5)
     assert_close_to_rounding(jsd, want_jsd, ulps=VALUE_ULPS, dtype=torch.float32, scale=scale)
+
+
+@pytest.mark.parametrize("direction", ["pi||ref", "ref||pi"])
+def test_scale_and_ce_weight_with_the_gradients_made_in_the_forward(direction):
+    """``scale * seq-mean-token-sum(KL + w * CE)`` with the head's gradients made in the forward
+    pass equals kl_from_logits on the materialized logits (recomputing, ``stash=False``), in
+    float64 (1e-10, as above), for a loss reaching the backward with 1 and with -1.5."""
+    h = _t((2, 3, 5), 40).requires_grad_()
+    w = _t((11, 5), 41).requires_grad_()
+    b = _t((11,), 42).requires_grad_()
+    hr, wr = _t((2, 3, 4), 43), _t((11, 4), 44)
+    labels = torch.tensor([[1, 10, -100], [4, 4, 0]])
+    mask = torch.tensor([[True, True, True], [False, True, True]])
+    options = dict(
+        direction=direction, labels=labels, mask=mask, reduction="seq-mean-token-sum",
+        temperature=0.8, scale=0.4, ce_weight=0.6,
+    )  # fmt: skip
+    for upstream in (1.0, -1.5):
+        fused = klest.kl_from_hidden(h, w, hr, wr, bias=b, chunk_size=2, **options)
+        got = torch.autograd.grad(fused * upstream, [h, w, b])
+        plain = klest.kl_from_logits(
+            torch.nn.functional.linear(h, w, b), hr @ wr.T, stash=False, **options
+        )
+        want = torch.autograd.grad(plain * upstream, [h, w, b])
+        assert abs(float(fused) - float(plain)) <= 1e-10
+        for a, e, name in zip(got, want, ("dh", "dW", "db"), strict=True):
+            assert float((a - e).abs().max()) <= 1e-10, (name, upstream)

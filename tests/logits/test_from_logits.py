@@ -572,3 +572,85 @@ def test_an_infinite_kl_with_zero_upstream_gradient_passes_zero_without_the_stas
     dz, want = _infinite_kl_row_gradient(direction, stash=False)
     assert float(dz[1].abs().max()) == 0.0, dz[1]
     torch.testing.assert_close(dz[[0, 2]], want, rtol=1e-12, atol=1e-14)
+
+
+# -- scale, ce_weight, overwrite_logits: the gradient written in the forward pass ----------------
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("direction", ["pi||ref", "ref||pi"])
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_scale_ce_weight_and_overwrite_match_reference(backend, direction, overwrite):
+    """``scale * token-mean(KL + w * CE)`` (CE = -log pi(label); a label -100 drops its
+    position) and its gradients to both logits against float64 autograd, for a loss reaching
+    the backward with 1
+    (nothing rescaled) and with 2.5 (rescaled there). Tolerances: ``value_close`` (two terms per
+    position) and ``grad_close`` at one ulp (the gradient rounds in the forward, then when
+    rescaled)."""
+    scale, w, temperature = 0.3, 0.7, 0.9
+    z0 = _logits((2, 3, 37), torch.float32, 60).requires_grad_()
+    y0 = _logits((2, 3, 37), torch.float32, 61).requires_grad_()
+    labels = torch.tensor([[3, -100, 36], [0, 5, 5]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    zr, yr = z0.detach().double().requires_grad_(), y0.detach().double().requires_grad_()
+    ref = reference(zr, yr, direction=direction, temperature=temperature, labels=labels)
+    kept = mask & (labels != -100)
+    per_position = ref["kl"] - w * ref["logp_label"]
+    want = scale * per_position[kept].mean()
+    rz, ry = torch.autograd.grad(want, [zr, yr])
+    dev = "cuda" if backend == "triton" and torch.cuda.is_available() else "cpu"
+    for upstream in (1.0, 2.5):
+        # the logits a head makes (overwritten when asked)
+        z, y = z0.to(dev) * 1.0, y0.to(dev) * 1.0
+        got = kl_from_logits(
+            z,
+            y,
+            direction=direction,
+            reduction="token-mean",
+            temperature=temperature,
+            labels=labels.to(dev),
+            mask=mask.to(dev),
+            scale=scale,
+            ce_weight=w,
+            overwrite_logits=overwrite,
+            backend=backend,
+            chunk_size=2,
+        )
+        dz, dy = torch.autograd.grad(got * upstream, [z0, y0])
+        got = got.cpu()
+        what = f"{backend} {direction} overwrite={overwrite} upstream={upstream}"
+        value_close(got, want, z0, y0, temperature=temperature, what=what, terms=2)
+        if overwrite:  # the gradient went where the logits were
+            assert_verbose_close(z.detach().cpu(), dz, atol=0.0, what=f"overwritten {what}")
+        up = torch.full(mask.shape, scale * upstream / float(kept.sum()), dtype=torch.float64)
+        up = up * kept
+        g_scale = arithmetic_scale(z0, y0, temperature, up * (1 + w))
+        for name, a, e in (("dz", dz, rz * upstream), ("dy", dy, ry * upstream)):
+            grad_close(a, e, torch.float32, scale=g_scale, ulps=1.0, what=f"{name} {what}")
+
+
+def test_a_tensor_scale_gets_its_gradient_and_stash_false_agrees():
+    """A ``scale`` tensor that requires grad gets the unscaled result as its gradient (float64,
+    exact up to the rounding of one product), and the forward-written gradient equals the
+    recomputed one (``stash=False``) to 8 float64 ulps of the largest entry."""
+    z = _logits((4, 9), torch.float64, 62).requires_grad_()
+    y = _logits((4, 9), torch.float64, 63)
+    beta = torch.tensor(0.25, dtype=torch.float64, requires_grad=True)
+    got = kl_from_logits(z, y, scale=beta, reduction="sum")
+    dz, dbeta = torch.autograd.grad(got, [z, beta])
+    plain = kl_from_logits(z, y, reduction="sum", stash=False)
+    (want_dz,) = torch.autograd.grad(plain * 0.25, [z])
+    assert_verbose_close(dbeta, plain.detach(), atol=2 * ULP[torch.float64] * float(plain))
+    assert_verbose_close(got, 0.25 * plain.detach(), atol=2 * ULP[torch.float64] * float(plain))
+    atol = 8 * ULP[torch.float64] * float(want_dz.abs().max())
+    assert_verbose_close(dz, want_dz, atol=atol, what="forward-written vs recomputed")
+
+
+def test_overwrite_logits_and_stash_false_conflict():
+    z = _logits((2, 5), torch.float32, 64).requires_grad_()
+    with pytest.raises(ValueError, match="overwrite_logits"):
+        kl_from_logits(z * 1.0, z.detach(), overwrite_logits=True, stash=False)
+    with pytest.raises(ValueError, match="ce_weight"):
+        kl_from_logits(z, z.detach(), ce_weight=1.0)
+    with pytest.raises(TypeError, match="scale"):
+        kl_from_logits(z, z.detach(), scale="0.1")

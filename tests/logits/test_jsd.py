@@ -26,9 +26,14 @@ from klest.logits import (
     tv_from_logits,
 )
 from klest.logits._stats import Divergence
-from klest.logits.kernels import divergence_backward, divergence_forward, triton_available
+from klest.logits.kernels import (
+    divergence_backward,
+    divergence_forward,
+    divergence_fused,
+    triton_available,
+)
 from tests._reference import assert_verbose_close, reduce_reference
-from tests._tolerance import assert_logits_values_close
+from tests._tolerance import assert_close_to_rounding, assert_logits_values_close
 
 INF = math.inf
 BETAS = (0.0, 0.1, 0.5, 0.9, 1.0)
@@ -207,10 +212,19 @@ def test_gradcheck_both_sides(name):
     y.requires_grad_(True)
     mask = torch.tensor([[True, False, True], [True, True, True]])
 
-    def f(z, y):
-        return _call(name, z, y, beta=0.3, alpha=0.4, temperature=1.3, mask=mask, chunk_size=2)
+    def f(z, y, stash=False):
+        return _call(
+            name, z, y, beta=0.3, alpha=0.4, temperature=1.3, mask=mask, chunk_size=2, stash=stash
+        )
 
     assert torch.autograd.gradcheck(f, (z, y))
+    # gradcheck backpropagates one graph several times, which needs the recomputing backward;
+    # the gradient written in the forward pass (the default) matches it to float64 rounding
+    # (8 ulps of the largest entry: the two paths round the same sums in other orders).
+    got = torch.autograd.grad(f(z, y, stash=None), (z, y))
+    want = torch.autograd.grad(f(z, y), (z, y))
+    for a, e in zip(got, want, strict=True):
+        assert_close_to_rounding(a, e, ulps=8, what=f"{name} gradient in the forward")
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -363,6 +377,7 @@ needs_triton = pytest.mark.skipif(
     not triton_available(),
     reason="needs triton with CUDA or TRITON_INTERPRET=1 (make test sets it)",
 )
+KERNEL_DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 
 
 @needs_triton
@@ -408,6 +423,7 @@ def test_kernel_rows_not_kept_are_not_read_and_get_zeros(div):
     g = torch.Generator().manual_seed(5)
     z, y = torch.randn(5, 40, generator=g), torch.randn(5, 40, generator=g)
     keep = torch.tensor([True, False, True, False, True])
+    z, y, keep = (t.to(KERNEL_DEVICE) for t in (z, y, keep))
     bad_z, bad_y = z.clone(), y.clone()
     bad_z[1], bad_y[3] = torch.nan, torch.inf
     lse = z.logsumexp(-1), y.logsumexp(-1)
@@ -415,9 +431,48 @@ def test_kernel_rows_not_kept_are_not_read_and_get_zeros(div):
     kept_lse = (torch.where(keep, t, 0.0) for t in lse)  # what kl_logits_forward gives them
     part = divergence_forward(bad_z, bad_y, *kept_lse, div, keep=keep)
     assert torch.equal(part, torch.where(keep, full, 0.0))
-    grad = torch.linspace(0.5, 1.5, 5)
+    grad = torch.linspace(0.5, 1.5, 5, device=KERNEL_DEVICE)
     dz, dy = divergence_backward(z, y, *lse, full[1], full[2], grad, div, need_grad_y=True)
     dz2, dy2 = divergence_backward(
         bad_z, bad_y, *lse, part[1], part[2], grad, div, need_grad_y=True, keep=keep
     )
     assert torch.equal(dz2, dz * keep[:, None]) and torch.equal(dy2, dy * keep[:, None])
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # the interpreter's masked lanes
+@pytest.mark.parametrize("div", [Divergence("mixture", w=0.3, c_q=0.3, c_p=0.7), Divergence("tv")])
+@pytest.mark.parametrize("block_v", [None, 64], ids=["one-block", "blocks"])
+def test_fused_kernel_matches_reference(div, block_v):
+    """``divergence_fused`` (values and gradients in one launch, the gradient written over ``z``,
+    rows over 2 programs; a row of 157 read once, or in blocks of 64 three times) against the
+    float64 definition (``c_q KL(q||m) + c_p KL(p||m)``, ``m = w p + (1 - w) q``; TV
+    ``sum |q - p| / 2``). Values: ``VALUE_ULPS`` roundings of the row's logit scale. Gradients
+    ``g/tau x (G - S)`` cancel at the size of their terms, ``|g|/tau (q + p)(1 + |log q| +
+    |log p|)`` per entry: 64 float32 roundings of that (a sum over V = 157 in another order,
+    about sqrt(V) = 13, times 5), plus half an ulp of the result."""
+    g = torch.Generator().manual_seed(8)
+    z, y = torch.randn(5, 157, generator=g) * 3, torch.randn(5, 157, generator=g) * 3
+    grad = torch.linspace(-1.0, 2.0, 5)
+    tau = 0.8
+    zc, y_dev, grad_dev = (t.to(KERNEL_DEVICE) for t in (z.clone(), y, grad))
+    _, mix, dz, dy = divergence_fused(
+        zc, y_dev, grad_dev, div, temperature=tau, need_grad_y=True, dz=zc, block_v=block_v,
+        programs=2,
+    )  # fmt: skip
+    mix, dz, dy = mix.cpu(), dz.cpu(), dy.cpu()
+    assert dz is zc
+    z64, y64 = z.double().requires_grad_(True), y.double().requires_grad_(True)
+    q, p = torch.softmax(z64 / tau, -1), torch.softmax(y64 / tau, -1)
+    if div.kind == "tv":
+        want = 0.5 * (q - p).abs().sum(-1)
+    else:
+        m = div.w * p + (1 - div.w) * q
+        want = div.c_q * _xlogx_over(q, m) + div.c_p * _xlogx_over(p, m)
+    assert_logits_values_close(mix[0], want, z, y, ulps=VALUE_ULPS, temperature=tau)
+    rz, ry = torch.autograd.grad((want * grad.double()).sum(), (z64, y64))
+    q, p = q.detach(), p.detach()
+    terms = (q + p) * (1 + q.log().abs() + p.log().abs()) * grad.double().abs()[:, None] / tau
+    for got_g, ref in ((dz, rz), (dy, ry)):
+        atol = 64 * 2.0**-24 * terms + HALF_ULP[torch.float32] * ref.abs()
+        assert_verbose_close(got_g.double(), ref, atol=atol, what=f"{div.kind} {block_v}")

@@ -40,6 +40,7 @@ from klest.logits.kernels import (  # noqa: E402
     KLRowStats,
     kl_logits_backward,
     kl_logits_forward,
+    kl_logits_fused,
     triton_available,
 )
 from tests._reference import assert_verbose_close as assert_close  # noqa: E402
@@ -450,6 +451,46 @@ def test_backward_each_term(term, dtype, shape):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize(
+    ("block_v", "programs"),
+    [(None, None), (64, None), (64, 2)],
+    ids=["one-block", "blocks", "2-programs"],
+)
+def test_fused_kernel_matches_reference(dtype, block_v, programs):
+    """``kl_logits_fused``: the statistics and every term's gradient in one launch, a row read
+    once (one block) or in blocks read twice, rows spread over fewer programs, the gradient
+    written over ``z`` itself; against the float64 reference with the forward's and the
+    backward's tolerances (module docstring). A row not kept gets zeros."""
+    n, v, tau = 5, 157, 0.7
+    z, y = logits(n, v, dtype, seed=77)
+    labels = torch.tensor([3, 156, -100, 0, 40])
+    keep = torch.tensor([True, True, True, False, True])
+    gen = torch.Generator().manual_seed(2)
+    grads = [torch.randn(n, generator=gen) * 3 for _ in range(5)]
+    zc, y_dev, labels_dev, keep_dev = to_dev(z.clone(), y, labels, keep)
+    stats, dz, dy = kl_logits_fused(
+        zc,
+        y_dev,
+        temperature=tau,
+        labels=labels_dev,
+        **dict(zip(GRAD_NAMES, to_dev(*grads), strict=True)),
+        need_grad_y=True,
+        dz=zc,
+        keep=keep_dev,
+        block_v=block_v,
+        programs=programs,
+    )
+    assert dz is zc
+    kept = keep.unsqueeze(1)
+    ref = {k: torch.where(keep, t, 0.0) for k, t in reference(z, y, tau, labels).items()}
+    check_forward(stats, ref, forward_tol(z, y, tau) * keep, f"fused {block_v} {programs}")
+    rz, ry = reference_grads(z, y, tau, labels, grads)
+    check_grad(dz, rz * kept, dtype, f"fused dz {block_v} {programs}")
+    check_grad(dy, ry * kept, dtype, f"fused dy {block_v} {programs}")
+
+
+@needs_triton
 @pytest.mark.parametrize("tau", [1.0, 2.0])
 @pytest.mark.parametrize(("need_z", "need_y"), [(True, False), (False, True), (True, True)])
 def test_backward_one_side_and_temperatures(tau, need_z, need_y):
@@ -691,6 +732,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from klest.logits.kernels import _divergence_triton as dkern
 from klest.logits.kernels import _kl_logits_triton as kern
+from klest.logits.kernels import _scale_triton as skern
 
 ints = dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "N", "V"), "i32")
 fwd = {"z_ptr": "*bf16", "y_ptr": "*fp16", "label_ptr": "*i64", "out_ptr": "*fp32",
@@ -735,6 +777,36 @@ for kind, keep in ((0, True), (1, False)):
                  {"KIND": kind, "HAS_KEEP": keep, "BLOCK_V": 1024}))
     jobs.append((dkern.divergence_bwd_kernel, dbwd, {"KIND": kind, "NEED_DZ": True,
                  "NEED_DY": keep, "HAS_KEEP": keep, "BLOCK_V": 1024}))
+# The fused kernels (statistics and gradient in one launch), one block and several per row.
+gs = ("g1_ptr", "g2_ptr", "g3_ptr", "g4_ptr", "g5_ptr")
+fused_flags = ("HAS_LABELS", "HAS_KEEP", "WANT_AB", "WANT_BA", "WANT_ENT", "HAS_G1", "HAS_G2",
+               "HAS_G3", "HAS_G4", "HAS_G5", "NEED_DZ", "NEED_DY", "ONE_BLOCK")
+fused = {"z_ptr": "*bf16", "y_ptr": "*fp16", "label_ptr": "*i64", "out_ptr": "*fp32",
+         "keep_ptr": "*u8", **dict.fromkeys(gs, "*fp32"), "dz_ptr": "*bf16", "dy_ptr": "*fp16",
+         **dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "N", "V"), "i32"),
+         "scale": "fp32", "inv_tau": "fp32", **dict.fromkeys(fused_flags, "constexpr"),
+         "BLOCK_V": "constexpr"}
+for one, block in ((True, 16384), (False, 1024)):
+    jobs.append((kern.kl_logits_fused_kernel, fused,
+                 {**dict.fromkeys(fused_flags, True), "ONE_BLOCK": one, "BLOCK_V": block}))
+jobs.append((kern.kl_logits_fused_kernel, fused,
+             {**dict.fromkeys(fused_flags, False), "HAS_G1": True, "NEED_DZ": True,
+              "WANT_AB": True, "BLOCK_V": 1024}))
+dfused = {"z_ptr": "*bf16", "y_ptr": "*fp32", "label_ptr": "*i64", "stats_ptr": "*fp32",
+          "mix_ptr": "*fp32", "keep_ptr": "*u8", "g_ptr": "*fp32", "dz_ptr": "*bf16",
+          "dy_ptr": "*fp32",
+          **dict.fromkeys(("stride_z", "stride_y", "stride_dz", "stride_dy", "N", "V"), "i32"),
+          "scale": "fp32", "inv_tau": "fp32", "w": "fp32", "c_q": "fp32", "c_p": "fp32",
+          **dict.fromkeys(("KIND", "HAS_LABELS", "HAS_KEEP", "WANT_ENT", "NEED_DZ", "NEED_DY",
+                           "ONE_BLOCK", "BLOCK_V"), "constexpr")}
+for kind, one, block in ((0, True, 16384), (1, False, 1024)):
+    jobs.append((dkern.divergence_fused_kernel, dfused,
+                 {"KIND": kind, "HAS_LABELS": one, "HAS_KEEP": one, "WANT_ENT": one,
+                  "NEED_DZ": True, "NEED_DY": one, "ONE_BLOCK": one, "BLOCK_V": block}))
+jobs.append((skern.scale_rows_kernel, {"x_ptr": "*bf16", "g_ptr": "*fp32", "c_ptr": "*fp32",
+             "stride": "i32", "V": "i32", "BLOCK_V": "constexpr"}, {"BLOCK_V": 1024}))
+jobs.append((skern.scale_kernel, {"x_ptr": "*fp32", "r_ptr": "*fp32", "numel": "i64",
+             "BLOCK": "constexpr"}, {"BLOCK": 1024}))
 for fn, sig, const in jobs:
     const = {(fn.arg_names.index(k),): v for k, v in const.items()}  # the older key form
     src = ASTSource(fn=fn, signature=sig, constexprs=const)

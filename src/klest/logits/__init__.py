@@ -3,7 +3,8 @@
 In the order data flows: :mod:`~klest.logits.reference` (plain PyTorch, small V, the reference
 the rest is tested against), the row statistics and the chunked engine, the Triton kernels
 (:mod:`klest.logits.kernels`), then three front ends: :func:`kl_from_logits`,
-:func:`kl_from_hidden` (fused with the LM head) and :func:`kl_from_logits_vocab_parallel`
+:func:`kl_from_hidden` (fused with the LM head), :func:`kl_from_logits_vocab_parallel` and
+:func:`kl_from_hidden_vocab_parallel`
 (vocabulary shards over ``torch.distributed``); the generalized JSD, skew KL and total
 variation (:mod:`~klest.logits.divergences`); :func:`token_log_probs`, the sampled
 tokens' log-probs from logits, memory-bounded; and :func:`kl_from_topk`, the KL to a teacher
@@ -16,8 +17,8 @@ teachers (:mod:`~klest.logits.multi_teacher`).
 from klest.logits.reference import categorical_kl
 from klest.logits._stats import KLRowStats
 from klest.logits._call import LogitsDetails
-from klest.logits.from_logits import kl_from_logits
-from klest.logits.from_hidden import kl_from_hidden
+from klest.logits.dtensor import kl_from_logits
+from klest.logits.dtensor import kl_from_hidden
 from klest.logits.divergences import jsd_from_logits
 from klest.logits.divergences import jsd_from_hidden
 from klest.logits.divergences import skew_kl_from_logits
@@ -25,6 +26,7 @@ from klest.logits.divergences import skew_kl_from_hidden
 from klest.logits.divergences import tv_from_logits
 from klest.logits.divergences import tv_from_hidden
 from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
+from klest.logits.vocab_parallel_hidden import kl_from_hidden_vocab_parallel
 from klest.logits.sampled_log_probs import token_log_probs
 from klest.logits.topk import TopKDetails
 from klest.logits.topk import TopKEstimator
@@ -43,6 +45,7 @@ __all__ = [
     "jsd_from_hidden",
     "jsd_from_logits",
     "kl_from_hidden",
+    "kl_from_hidden_vocab_parallel",
     "kl_from_logits",
     "kl_from_logits_vocab_parallel",
     "kl_from_topk",

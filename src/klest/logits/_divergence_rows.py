@@ -23,8 +23,12 @@ ref's logits ``y`` (``[N, V]``), :math:`q = \mathrm{softmax}(z/\tau)` (pi),
 Through the softmax, :math:`\partial D/\partial z = \tfrac1\tau\, q\odot(G_q - \langle q,
 G_q\rangle)` and :math:`\partial D/\partial y = \tfrac1\tau\, p\odot(G_p - \langle p,
 G_p\rangle)`. Entries ``-inf`` are outside the support (``0 log 0 = 0``); a term with zero
-probability contributes nothing, so none of these divergences is ever infinite. The forward pass
-saves nothing ``[N, V]``-sized; the backward recomputes each chunk's log-probabilities.
+probability contributes nothing, so none of these divergences is ever infinite.
+
+:func:`divergence_rows` gives the per-row values; :func:`divergence_rows_grads` also the
+gradients for upstream gradients known before the call, from the same read of each chunk of
+rows (the Triton kernel: one read of a row of up to 16384 entries, three in a row of a longer
+one); :func:`divergence_grads` recomputes them from the logits (one more read) in a backward.
 """
 
 from __future__ import annotations
@@ -46,7 +50,12 @@ from klest.logits._chunking import (
 )
 from klest.logits._rows import row_flags, zeroed_rows_buffer
 from klest.logits._stats import Divergence
-from klest.logits.kernels import divergence_backward, divergence_forward, kl_logits_forward
+from klest.logits.kernels import (
+    divergence_backward,
+    divergence_forward,
+    divergence_fused,
+    kl_logits_forward,
+)
 
 # Float32 buffers of V entries per row of a chunk in the backward (the larger pass): a, b,
 # log q, log p, q, p, log m, r, G_q, G_p.
@@ -146,6 +155,64 @@ def divergence_rows(
              stats.lse_z, stats.lse_y, mix[1], mix[2])
         )  # fmt: skip
         return out
+    out, _, _ = _torch_rows(z, y, div, inv_tau, labels, rows, want_entropy, chunk, None, None, None)
+    return out
+
+
+def divergence_rows_grads(
+    z: Tensor,
+    y: Tensor,
+    div: Divergence,
+    grad: Tensor,
+    *,
+    inv_tau: float,
+    labels: Tensor | None,
+    rows: Tensor | None,
+    want_entropy: bool,
+    chunk: int,
+    need_z: bool,
+    need_y: bool,
+    backend: str = "torch",
+    keep: Tensor | None = None,
+    dz: Tensor | None = None,
+    dy: Tensor | None = None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """:func:`divergence_rows` and, from the same read of each row, ``grad[n] * dD_n/dz`` and
+    ``... /dy`` (``grad``: the upstream gradients, known before the call), written into ``dz`` /
+    ``dy`` when given (e.g. the logits themselves), else into new tensors; 0 on rows not
+    selected."""
+    n = z.shape[0]
+    if backend == "triton":
+        stats, mix, dz, dy = divergence_fused(
+            z, y, grad, div, temperature=1.0 / inv_tau, labels=labels,
+            want_entropy=want_entropy, need_grad_z=need_z, need_grad_y=need_y, dz=dz, dy=dy,
+            keep=row_flags(rows, keep, n),
+        )  # fmt: skip
+        out = torch.stack(
+            (mix[0], stats[4], stats[5], stats[6], stats[0], stats[1], mix[1], mix[2])
+        )
+        return out, dz, dy
+    dz = zeroed_rows_buffer(z, rows, into=dz) if need_z else None
+    dy = zeroed_rows_buffer(y, rows, into=dy) if need_y else None
+    return _torch_rows(z, y, div, inv_tau, labels, rows, want_entropy, chunk, grad, dz, dy)
+
+
+def _torch_rows(
+    z: Tensor,
+    y: Tensor,
+    div: Divergence,
+    inv_tau: float,
+    labels: Tensor | None,
+    rows: Tensor | None,
+    want_entropy: bool,
+    chunk: int,
+    grad: Tensor | None,
+    dz: Tensor | None,
+    dy: Tensor | None,
+) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """The chunked PyTorch engine: ``[8, N]`` outputs, and the gradients for ``grad`` into
+    ``dz`` / ``dy`` (those given) from each chunk while it is in cache."""
+    n = z.shape[0]
     out = torch.zeros(len(ROW_OUTPUTS), n, dtype=work_dtype(z), device=z.device)
     for sel in chunks(n, rows, chunk):
         a, b, la, lb = _log_probs(z, y, sel, inv_tau, out.dtype)
@@ -156,7 +223,18 @@ def divergence_rows(
         entropy = -(q * _where_support(q, la)).sum(-1) if want_entropy else zeros
         stats = (value, entropy, label_logps(la, lab), label_logps(lb, lab))
         put(out, sel, torch.stack((*stats, lse(a, la), lse(b, lb), zeros, zeros)))
-    return out
+        if grad is not None and (dz is not None or dy is not None):
+            _write_grads(div, la, lb, q, p, take(grad, sel), inv_tau, sel, dz, dy)
+    return out, dz, dy
+
+
+def _write_grads(div, la, lb, q, p, grad, inv_tau, sel, dz, dy) -> None:
+    """``grad / tau * prob (G - <prob, G>)`` of one chunk into ``dz`` / ``dy`` (those given)."""
+    g_q, g_p = _prob_grads(div, la, lb, q, p)
+    scale = grad.to(q.dtype).unsqueeze(1) * inv_tau
+    for target, prob, g in ((dz, q, g_q), (dy, p, g_p)):
+        if target is not None:
+            put_rows(target, sel, _through_softmax(prob, g).mul_(scale))
 
 
 def divergence_grads(
@@ -196,9 +274,5 @@ def divergence_grads(
     for sel in chunks(z.shape[0], rows, chunk):
         _, _, la, lb = _log_probs(z, y, sel, inv_tau, dtype)
         q, p = la.exp(), lb.exp()
-        g_q, g_p = _prob_grads(div, la, lb, q, p)
-        scale = take(grad, sel).to(dtype).unsqueeze(1) * inv_tau
-        for target, prob, g in ((dz, q, g_q), (dy, p, g_p)):
-            if target is not None:
-                put_rows(target, sel, _through_softmax(prob, g).mul_(scale))
+        _write_grads(div, la, lb, q, p, take(grad, sel), inv_tau, sel, dz, dy)
     return dz, dy

@@ -8,8 +8,10 @@ The two primitives behind every exact-from-logits path of klest
 
 * :func:`row_stats` gives per row (a :class:`~klest.logits.KLRowStats`) the log-normalizers,
   :math:`KL(q\|p) = \sum_v q_v d_v`, :math:`KL(p\|q) = -\sum_v p_v d_v`,
-  :math:`H(q) = -\sum_v q_v \log q_v` and the label log-probs; optionally it also writes the
-  gradient of one KL in the same pass (the *stash*: the caller then only scales it);
+  :math:`H(q) = -\sum_v q_v \log q_v` and the label log-probs; :func:`row_stats_grads` also
+  writes, from the same read of each row, the gradients for upstream gradients known before the
+  call (the *gradient in the forward*: a reduction's weights, a loss's coefficients; the
+  backward then only rescales the rows whose upstream gradient differs, :func:`rescale_rows_`);
 * :func:`row_grads` recomputes ``q`` and ``p`` from the saved log-normalizers and gives
 
   .. math::
@@ -20,17 +22,23 @@ The two primitives behind every exact-from-logits path of klest
 
   for upstream gradients :math:`g_1..g_5` of the five outputs.
 
+Passes over ``[N, V]`` (a pass reads ``z`` and ``y`` once; a gradient's write is one more):
+``row_stats`` one; ``row_stats_grads`` one and a write of each gradient (the PyTorch path works
+on a chunk of rows while it is in cache; the Triton kernel reads a row of up to 16384 entries
+once and a longer one twice in a row, the second time from cache where the rows in flight fit);
+``row_grads`` one and a write of each gradient; ``rescale_rows_`` reads and writes only the rows
+whose factor is not 1.
+
 The PyTorch path walks row chunks (``log_softmax`` in float32 on each), so no more than a few
 chunk-sized buffers exist at once; rows with ``-inf`` entries (a masked vocabulary) go through a
 slower masked formula with ``0 log 0 = 0``. On CUDA the Triton kernels of
-:mod:`klest.logits.kernels` do the same in one pass each. Labels follow the kernels'
+:mod:`klest.logits.kernels` do the same. Labels follow the kernels'
 convention: a label ``< 0`` is ignored, a label ``>= V`` is a token of another vocabulary shard
 (its ``-q`` / ``-p`` part of the gradient only).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -47,10 +55,17 @@ from klest.logits._chunking import (
     work_dtype,
 )
 from klest.logits._stats import Grads, KLRowStats
-from klest.logits.kernels import kl_logits_backward, kl_logits_forward, triton_available
+from klest.logits.kernels import (
+    kl_logits_backward,
+    kl_logits_forward,
+    kl_logits_fused,
+    scale_rows_,
+    triton_available,
+)
 
-# Float32 buffers of V entries that the PyTorch path holds per row of a chunk (a, b, q, p, d).
-_BUFFERS_PER_ROW = 5
+# Float32 buffers of V entries that the PyTorch path holds per row of a chunk: a, b, log q,
+# log p, q, p, d, a product, and a gradient (the statistics alone need the first eight).
+_BUFFERS_PER_ROW = 9
 DEFAULT_MEMORY_BUDGET = 32 * 2**20
 """Bytes of chunk workspace by default on the CPU: a chunk stays near the caches."""
 CUDA_MEMORY_BUDGET = 2**30
@@ -104,35 +119,17 @@ class _ChunkNeeds:
 
 @dataclass
 class _Chunk:
-    """One chunk's statistics and the tensors its KL gradients are made of.
-
-    ``d = log q - log p``; ``stats.kl_pi_ref = sum q d = KL(q||p)``,
-    ``stats.kl_ref_pi = -sum p d = KL(p||q)`` (0 when not wanted; ``p`` is None when not needed).
-    """
+    """One chunk's statistics and the tensors its gradients are made of: ``la = log q``,
+    ``lb = log p``, ``q``, ``p`` (None when not needed), ``d = log q - log p`` (0 outside both
+    supports on the masked path); ``masked``: rows that may hold ``-inf`` entries."""
 
     stats: KLRowStats
+    la: Tensor
+    lb: Tensor
     q: Tensor
     p: Tensor | None
     d: Tensor
     masked: bool
-
-    def grad_a(self, direction: str, out: Tensor) -> Tensor:
-        """Per-unit gradient of the KL named by ``direction`` w.r.t. ``a``, written in ``out``:
-        ``q (d - KL(q||p))`` or ``q - p``."""
-        q, p, d = self.q, self.p, self.d
-        if direction == "ref||pi":
-            return torch.sub(q, p, out=out)
-        torch.sub(d, self.stats.kl_pi_ref.unsqueeze(1), out=out).mul_(q)
-        return out.masked_fill_(q == 0, 0.0) if self.masked else out
-
-    def grad_b(self, direction: str, out: Tensor) -> Tensor:
-        """The same w.r.t. ``b``: ``p - q``, or ``-p (d + KL(p||q))``."""
-        q, p, d = self.q, self.p, self.d
-        assert p is not None
-        if direction == "pi||ref":
-            return torch.sub(p, q, out=out)
-        torch.sub(-self.stats.kl_ref_pi.unsqueeze(1), d, out=out).mul_(p)
-        return out.masked_fill_(p == 0, 0.0) if self.masked else out
 
 
 def _plogq(w: Tensor, x: Tensor) -> Tensor:
@@ -170,14 +167,15 @@ def _chunk_stats(
         kl_ab = _plogq(q, d)
         kl_ba = -_plogq(lb.exp(), d) if want.kl_ba else zeros
     else:
-        # d in lb's buffer; then la's buffer holds each product before its row sum. A summed
-        # product (a cascade sum) is as accurate as the plain fp32 expression; a bmm dot product
-        # was 40x less accurate at V = 32000 (3e-5 relative against 8e-7).
-        d = torch.sub(la, lb, out=lb)
+        # Products summed row by row (a cascade sum) are as accurate as the plain fp32
+        # expression; a bmm dot product was 40x less accurate at V = 32000 (3e-5 relative
+        # against 8e-7). One product buffer serves them all.
+        d = la - lb
+        prod = torch.empty_like(d)
         if want.entropy:
-            ent = -torch.mul(q, la, out=la).sum(-1)
-        kl_ab = torch.mul(q, d, out=la).sum(-1)
-        kl_ba = -torch.mul(p, d, out=la).sum(-1) if want.kl_ba else zeros
+            ent = -torch.mul(q, la, out=prod).sum(-1)
+        kl_ab = torch.mul(q, d, out=prod).sum(-1)
+        kl_ba = -torch.mul(p, d, out=prod).sum(-1) if want.kl_ba else zeros
     stats = KLRowStats(
         lse_z=lse_a,
         lse_y=lse_b,
@@ -187,7 +185,75 @@ def _chunk_stats(
         logp_label=logp_label,
         logp_ref_label=logp_ref_label,
     )
-    return _Chunk(stats, q, p, d, masked)
+    return _Chunk(stats, la, lb, q, p, d, masked)
+
+
+def _chunk_from_stats(a: Tensor, b: Tensor, st: KLRowStats) -> _Chunk:
+    """The chunk's tensors recomputed from its saved log-normalizers (the backward's way;
+    ``st`` holds the rows as columns ``[rows, 1]``)."""
+    la = a - st.lse_z
+    lb = b - st.lse_y
+    q = la.exp()
+    p = lb.exp()
+    # d = log q - log p (0 outside both supports)
+    d = torch.where((q > 0) | (p > 0), la - lb, 0.0)
+    return _Chunk(st, la, lb, q, p, d, masked=True)
+
+
+def _chunk_grads(
+    ch: _Chunk, lab: Tensor | None, g: Grads, need_z: bool, need_y: bool
+) -> tuple[Tensor | None, Tensor | None]:
+    """``dL/da`` and ``dL/db`` of one chunk (module docstring, before the ``1/tau``);
+    ``ch.stats`` and ``g`` hold the chunk's rows as columns ``[rows, 1]``."""
+    st = ch.stats
+    la, q, d = ch.la, ch.q, ch.d
+    g1, g2, g3, g4, g5 = g.kl_pi_ref, g.kl_ref_pi, g.entropy, g.logp_label, g.logp_ref_label
+    p = ch.p
+    if p is None and (need_y or g2 is not None):
+        p = ch.lb.exp()
+    da = db = None
+    # A row whose KL is +inf has no gradient; with upstream gradient 0 it still passes 0, not
+    # 0 * inf = NaN: its terms are dropped, not multiplied by 0. (Rows on the fast path are
+    # finite and need no selects.)
+    if need_z:
+        coef = None
+        if g1 is not None:
+            coef = torch.sub(d, st.kl_pi_ref)
+            if ch.masked:
+                coef = torch.where((q > 0) & (g1 != 0), coef, 0.0)
+            coef.mul_(g1)
+        if g3 is not None:
+            term = torch.add(la, st.entropy)
+            if ch.masked:
+                term = torch.where(q > 0, term, 0.0)
+            term.mul_(g3)
+            coef = term.neg_() if coef is None else coef.sub_(term)
+        shift = g2  # the per-row constants of the coefficient: g2 - g4
+        if g4 is not None:
+            shift = -g4 if shift is None else shift - g4
+        if shift is not None:
+            coef = shift.expand_as(q).clone() if coef is None else coef.add_(shift)
+        da = torch.zeros_like(q) if coef is None else coef.mul_(q)
+        if g2 is not None:
+            da.addcmul_(p, g2, value=-1.0)
+        if g4 is not None:
+            _add_onehot(da, lab, g4)
+    if need_y:
+        db = None
+        if g1 is not None:
+            db = torch.sub(p, q).mul_(g1)
+        if g2 is not None:
+            term = torch.add(d, st.kl_ref_pi).mul_(p)
+            if ch.masked:
+                term = torch.where((p > 0) & (g2 != 0), term, 0.0)
+            term.mul_(g2)
+            db = term.neg_() if db is None else db.sub_(term)
+        if g5 is not None:
+            db = torch.mul(p, -g5) if db is None else db.addcmul_(p, g5, value=-1.0)
+            _add_onehot(db, lab, g5)
+        if db is None:
+            db = torch.zeros_like(p)
+    return da, db
 
 
 def _nonfinite_rows(stats: KLRowStats) -> Tensor:
@@ -196,35 +262,24 @@ def _nonfinite_rows(stats: KLRowStats) -> Tensor:
     return ~torch.isfinite(sums).all(0)
 
 
-def _write_chunk_grad(
-    target: Tensor,
-    sel: slice | Tensor,
-    grad: Callable[[_Chunk, str, Tensor], Tensor],
-    direction: str,
-    fast: _Chunk,
-    slow: _Chunk | None,
-    slow_rows: Tensor | None,
-    inv_tau: float,
-) -> None:
-    """``target[sel] = grad / tau`` for one chunk: the fast rows' gradient, with the rows redone
-    on the masked path (``slow_rows`` of the chunk) overwritten by ``slow``'s. Written straight
-    into ``target`` when the selection is a slice of the work dtype."""
-    direct = isinstance(sel, slice) and target.dtype == work_dtype(target)
-    out = (
-        target[sel]
-        if direct
-        else torch.empty(fast.q.shape, dtype=work_dtype(target), device=target.device)
-    )
-    grad(fast, direction, out)
-    if slow is not None:
-        assert slow_rows is not None
-        out.index_copy_(
-            0, slow_rows, grad(slow, direction, torch.empty_like(out[: len(slow_rows)]))
-        )
+def _add_onehot(x: Tensor, labels: Tensor | None, g: Tensor) -> None:
+    """``x[r, labels[r]] += g[r]`` where the label is inside ``[0, V)``."""
+    assert labels is not None
+    inside = (labels >= 0) & (labels < x.shape[1])
+    col = torch.where(inside, labels, 0).unsqueeze(1)
+    x.scatter_add_(1, col, torch.where(inside.unsqueeze(1), g, 0.0))
+
+
+def _columns(rows: tuple, sel: slice | Tensor, kind: type = KLRowStats):
+    """The selected rows of per-row tensors as columns ``[rows, 1]`` (None stays None)."""
+    return kind(*(None if t is None else take(t, sel).unsqueeze(1) for t in rows))
+
+
+def _write_rows(target: Tensor, sel: slice | Tensor, val: Tensor, inv_tau: float) -> None:
+    """``target[sel] = val / tau`` (``val``, a chunk's work buffer, is scaled in place)."""
     if inv_tau != 1.0:
-        out.mul_(inv_tau)
-    if not direct:
-        put_rows(target, sel, out)
+        val.mul_(inv_tau)
+    put_rows(target, sel, val)
 
 
 def row_stats(
@@ -240,25 +295,18 @@ def row_stats(
     keep: Tensor | None = None,
     want_kl_ref_pi: bool = True,
     want_kl_pi_ref: bool = True,
-    stash: str | None = None,
-    stash_z: Tensor | None = None,
-    stash_y: Tensor | None = None,
 ) -> KLRowStats:
     """Per-row statistics of the selected rows (``rows``: int indices, or None for all; or,
     on the Triton backend, ``keep``: one bool flag per row, read by the kernel).
 
     Rows not selected get 0 statistics. ``want_kl_ref_pi=False`` leaves ``KL(ref||pi)`` at 0
-    unless the stash needs it (PyTorch backend; saves two passes when only ``KL(pi||ref)`` is
-    used); ``want_kl_pi_ref=False`` lets the Triton backend skip ``KL(pi||ref)`` (0; the PyTorch
-    backend computes it anyway). With
-    ``stash`` (``"pi||ref"`` / ``"ref||pi"``; PyTorch backend) the per-unit gradients of that KL
-    w.r.t. ``z`` and ``y`` are written into the selected rows of ``stash_z`` / ``stash_y``
-    (either may be None), already divided by tau. Rows whose logits have NaN, ``+inf`` or
-    nothing but ``-inf`` get a non-finite ``lse``; the caller rejects them.
+    (saves two passes of the PyTorch path when only ``KL(pi||ref)`` is used);
+    ``want_kl_pi_ref=False`` lets the Triton backend skip ``KL(pi||ref)`` (0; the PyTorch
+    backend computes it anyway). Rows whose logits have NaN, ``+inf`` or nothing but ``-inf``
+    get a non-finite ``lse``; the caller rejects them.
     """
-    n, _ = z.shape
     if backend == "triton":
-        stats = kl_logits_forward(
+        return kl_logits_forward(
             z,
             y,
             temperature=1.0 / inv_tau,
@@ -266,21 +314,97 @@ def row_stats(
             want_kl_pi_ref=want_kl_pi_ref,
             want_kl_ref_pi=want_kl_ref_pi,
             want_entropy=want_entropy,
-            keep=row_flags(rows, keep, n),
-        )
-        return stats  # float32 rows of the kernel's own [7, N] buffer, as they are
+            keep=row_flags(rows, keep, z.shape[0]),
+        )  # float32 rows of the kernel's own [7, N] buffer, as they are
+    stats, _, _ = _torch_rows(
+        z, y, inv_tau, labels, rows, chunk, want_entropy, want_kl_ref_pi, None, None, None
+    )
+    return stats
 
+
+def row_stats_grads(
+    z: Tensor,
+    y: Tensor,
+    grads: Grads,
+    *,
+    inv_tau: float,
+    labels: Tensor | None,
+    rows: Tensor | None,
+    want_entropy: bool,
+    backend: str,
+    chunk: int,
+    need_z: bool,
+    need_y: bool,
+    keep: Tensor | None = None,
+    want_kl_ref_pi: bool = True,
+    want_kl_pi_ref: bool = True,
+    dz: Tensor | None = None,
+    dy: Tensor | None = None,
+) -> tuple[KLRowStats, Tensor | None, Tensor | None]:
+    """:func:`row_stats` and, from the same read of each row, the gradients of
+    ``sum_n sum_k grads_k[n] output_k[n]`` w.r.t. ``z`` and ``y`` (``grads``: per-row upstream
+    gradients known before the call; module docstring), 0 on rows not selected.
+
+    ``dz`` / ``dy``: where to write them (e.g. the logits themselves: each chunk of rows is read
+    before it is written); default new tensors like ``z`` / ``y``.
+    """
+    if backend == "triton":
+        return kl_logits_fused(
+            z,
+            y,
+            temperature=1.0 / inv_tau,
+            labels=labels,
+            grad_kl_pi_ref=grads.kl_pi_ref,
+            grad_kl_ref_pi=grads.kl_ref_pi,
+            grad_entropy=grads.entropy,
+            grad_logp_label=grads.logp_label,
+            grad_logp_ref_label=grads.logp_ref_label,
+            need_grad_z=need_z,
+            need_grad_y=need_y,
+            want_kl_pi_ref=want_kl_pi_ref,
+            want_kl_ref_pi=want_kl_ref_pi,
+            want_entropy=want_entropy,
+            dz=dz,
+            dy=dy,
+            keep=row_flags(rows, keep, z.shape[0]),
+        )
+    dz = zeroed_rows_buffer(z, rows, into=dz) if need_z else None
+    dy = zeroed_rows_buffer(y, rows, into=dy) if need_y else None
+    kl_ba = want_kl_ref_pi or grads.kl_ref_pi is not None
+    return _torch_rows(z, y, inv_tau, labels, rows, chunk, want_entropy, kl_ba, grads, dz, dy)
+
+
+def _torch_rows(
+    z: Tensor,
+    y: Tensor,
+    inv_tau: float,
+    labels: Tensor | None,
+    rows: Tensor | None,
+    chunk: int,
+    want_entropy: bool,
+    kl_ba: bool,
+    grads: Grads | None,
+    dz: Tensor | None,
+    dy: Tensor | None,
+) -> tuple[KLRowStats, Tensor | None, Tensor | None]:
+    """The chunked PyTorch engine: statistics, and the gradients for ``grads`` into ``dz`` /
+    ``dy`` (those given) from each chunk while it is in cache."""
+    n = z.shape[0]
     out = torch.zeros(7, n, dtype=work_dtype(z), device=z.device)
-    kl_ba = want_kl_ref_pi or stash == "ref||pi"
-    needs = _ChunkNeeds(p=kl_ba or stash_y is not None, kl_ba=kl_ba, entropy=want_entropy)
-    dtype = out.dtype
+    need_z, need_y = dz is not None, dy is not None
+    with_grads = grads is not None and (need_z or need_y)
+    entropy = want_entropy or (with_grads and grads.entropy is not None)
+    # ref's probabilities: for KL(ref||pi), or a gradient that has them (not KL(pi||ref)'s
+    # gradient to pi's logits alone)
+    p_in_grads = with_grads and (need_y or grads.kl_ref_pi is not None)
+    needs = _ChunkNeeds(p=kl_ba or p_in_grads, kl_ba=kl_ba, entropy=entropy)
     for sel in chunks(n, rows, chunk):
-        a = scaled(take(z, sel), inv_tau, dtype)
-        b = scaled(take(y, sel), inv_tau, dtype)
+        a = scaled(take(z, sel), inv_tau, out.dtype)
+        b = scaled(take(y, sel), inv_tau, out.dtype)
         lab = None if labels is None else take(labels, sel)
         fast = _chunk_stats(a, b, lab, needs, masked=False)
         bad = _nonfinite_rows(fast.stats)
-        slow = slow_rows = None
+        slow = slow_rows = sub_lab = None
         stats = torch.stack(fast.stats)
         if bool(bad.any()):  # rows with -inf entries (or NaN, rejected by the caller)
             slow_rows = bad.nonzero().view(-1)
@@ -288,72 +412,25 @@ def row_stats(
             slow = _chunk_stats(a[slow_rows], b[slow_rows], sub_lab, needs, masked=True)
             stats = stats.index_copy(1, slow_rows, torch.stack(slow.stats))
         put(out, sel, stats)
-        if not stash:
+        if not with_grads:
             continue
-        for target, grad in ((stash_z, _Chunk.grad_a), (stash_y, _Chunk.grad_b)):
-            if target is not None:
-                _write_chunk_grad(target, sel, grad, stash, fast, slow, slow_rows, inv_tau)
-    return KLRowStats(*out.unbind(0))
-
-
-def _row_col(g: Tensor | None, sel: slice | Tensor) -> Tensor | None:
-    return None if g is None else take(g, sel).unsqueeze(1)
-
-
-def _grads_chunk(
-    a: Tensor,
-    b: Tensor,
-    st: KLRowStats,
-    lab: Tensor | None,
-    g: Grads,
-    need_z: bool,
-    need_y: bool,
-) -> tuple[Tensor | None, Tensor | None]:
-    """Recomputed ``dL/da`` and ``dL/db`` of one chunk (see the module docstring); ``st`` and
-    ``g`` hold the chunk's rows as columns ``[rows, 1]``."""
-    lse_a, lse_b, kl_ab, kl_ba, ent = st.lse_z, st.lse_y, st.kl_pi_ref, st.kl_ref_pi, st.entropy
-    g1, g2, g3, g4, g5 = g.kl_pi_ref, g.kl_ref_pi, g.entropy, g.logp_label, g.logp_ref_label
-    la = a - lse_a
-    q = la.exp()
-    p = torch.sub(b, lse_b).exp_()
-    # d = log q - log p (0 outside both supports)
-    lr = torch.where((q > 0) | (p > 0), la - (b - lse_b), 0.0)
-    da = db = None
-    # A row whose KL is +inf has no gradient; with upstream gradient 0 it still passes 0, not
-    # 0 * inf = NaN (as the stashed gradient does): its terms are dropped, not multiplied by 0.
-    if need_z:
-        coef = torch.zeros_like(q)
-        if g1 is not None:
-            coef += g1 * torch.where((q > 0) & (g1 != 0), lr - kl_ab, 0.0)
-        if g3 is not None:
-            coef -= g3 * torch.where(q > 0, la + ent, 0.0)
-        if g2 is not None:
-            coef += g2
-        if g4 is not None:
-            coef -= g4
-        da = coef.mul_(q)
-        if g2 is not None:
-            da -= g2 * p
-        if g4 is not None:
-            _add_onehot(da, lab, g4)
-    if need_y:
-        db = torch.zeros_like(p)
-        if g1 is not None:
-            db += g1 * (p - q)
-        if g2 is not None:
-            db -= g2 * torch.where((p > 0) & (g2 != 0), p * (lr + kl_ba), 0.0)
-        if g5 is not None:
-            db -= g5 * p
-            _add_onehot(db, lab, g5)
-    return da, db
-
-
-def _add_onehot(x: Tensor, labels: Tensor | None, g: Tensor) -> None:
-    """``x[r, labels[r]] += g[r]`` where the label is inside ``[0, V)``."""
-    assert labels is not None
-    inside = (labels >= 0) & (labels < x.shape[1])
-    col = torch.where(inside, labels, 0).unsqueeze(1)
-    x.scatter_add_(1, col, torch.where(inside.unsqueeze(1), g, 0.0))
+        g = _columns(grads, sel, Grads)
+        fast.stats = KLRowStats(*(s.unsqueeze(1) for s in fast.stats))
+        da, db = _chunk_grads(fast, lab, g, need_z, need_y)
+        if slow is not None:
+            slow.stats = KLRowStats(*(s.unsqueeze(1) for s in slow.stats))
+            g_slow = Grads(*(None if t is None else t[slow_rows] for t in g))
+            parts = _chunk_grads(slow, sub_lab, g_slow, need_z, need_y)
+            for full, part in zip((da, db), parts, strict=True):
+                if full is not None and part is not None:
+                    full.index_copy_(0, slow_rows, part)
+        for target, val in ((dz, da), (dy, db)):
+            if target is not None and val is not None:
+                _write_rows(target, sel, val, inv_tau)
+    stats = KLRowStats(*out.unbind(0))
+    if entropy and not want_entropy:
+        stats = stats._replace(entropy=torch.zeros_like(stats.entropy))
+    return stats, dz, dy
 
 
 def row_grads(
@@ -403,19 +480,30 @@ def row_grads(
         a = scaled(take(z, sel), inv_tau, dtype)
         b = scaled(take(y, sel), inv_tau, dtype)
         lab = None if labels is None else take(labels, sel)
-        da, db = _grads_chunk(
-            a,
-            b,
-            KLRowStats(*(_row_col(s, sel) for s in stats)),
-            lab,
-            Grads(*(_row_col(g, sel) for g in grads)),
-            need_z,
-            need_y,
-        )
+        ch = _chunk_from_stats(a, b, _columns(stats, sel))
+        da, db = _chunk_grads(ch, lab, _columns(grads, sel, Grads), need_z, need_y)
         for target, val in ((dz, da), (dy, db)):
             if target is not None and val is not None:
-                put_rows(target, sel, val.mul_(inv_tau))
+                _write_rows(target, sel, val, inv_tau)
     return dz, dy
+
+
+def rescale_rows_(x: Tensor, g: Tensor, c: Tensor, *, backend: str) -> Tensor:
+    """``x[n] *= g[n] / c[n]``: a gradient written in the forward pass for row coefficients
+    ``c``, brought to the upstream gradients ``g`` of the backward. Rows where ``g == c`` are
+    left alone (on the Triton backend decided on the device: no pass, no synchronisation; on
+    the CPU by one host read, which costs nothing there); rows where ``g == 0`` become 0."""
+    if backend == "triton":
+        return scale_rows_(x, g, c)
+    ratio = torch.where(g == c, 1.0, g / torch.where(c == 0, 1.0, c)).unsqueeze(1)
+    on_cpu = x.device.type == "cpu"
+    if on_cpu and not bool((ratio != 1).any()):
+        return x
+    x.mul_(ratio)
+    dropped = ((g == 0) & (g != c)).unsqueeze(1)
+    if not on_cpu or bool(dropped.any()):
+        x.masked_fill_(dropped, 0.0)
+    return x
 
 
 def row_flags(rows: Tensor | None, keep: Tensor | None, n: int) -> Tensor | None:
@@ -426,9 +514,15 @@ def row_flags(rows: Tensor | None, keep: Tensor | None, n: int) -> Tensor | None
     return torch.zeros(n, dtype=torch.bool, device=rows.device).index_fill_(0, rows, True)
 
 
-def zeroed_rows_buffer(x: Tensor, rows: Tensor | None) -> Tensor:
+def zeroed_rows_buffer(x: Tensor, rows: Tensor | None, *, into: Tensor | None = None) -> Tensor:
     """A buffer like ``x`` to fill row by row: uninitialised when every row will be written
-    (``rows`` None), else zeros (rows not selected stay 0)."""
+    (``rows`` None), else zeros (rows not selected stay 0). ``into``: that buffer, given (e.g.
+    ``x`` itself, to be overwritten), with its rows not selected set to 0."""
+    if into is not None:
+        if rows is not None:
+            others = torch.ones(x.shape[0], dtype=torch.bool, device=x.device)
+            into.masked_fill_(others.index_fill_(0, rows, False).unsqueeze(1), 0.0)
+        return into
     if rows is None:
         return torch.empty_like(x, memory_format=torch.contiguous_format)
     return torch.zeros_like(x, memory_format=torch.contiguous_format)

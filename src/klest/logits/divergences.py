@@ -44,15 +44,25 @@ from klest._checks import (
 )
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails
-from klest.logits._call import LogitsDetails, check_plan_options, finish, in_sequences
+from klest.logits._call import (
+    LogitsDetails,
+    check_plan_options,
+    finish,
+    gradient_in_forward,
+    in_sequences,
+    value_coefficients,
+    with_result,
+)
+from klest.logits._chunking import work_dtype
 from klest.logits._divergence_rows import (
     BUFFERS_PER_ROW,
     ROW_OUTPUTS,
     Divergence,
     divergence_grads,
     divergence_rows,
+    divergence_rows_grads,
 )
-from klest.logits._rows import chunk_rows, resolve_backend
+from klest.logits._rows import chunk_rows, rescale_rows_, resolve_backend
 from klest.logits.from_hidden import kl_from_hidden, run_hidden
 from klest.logits.from_logits import kl_from_logits, logits_positions
 
@@ -77,10 +87,13 @@ _OPTIONS = (
     "memory_budget",
     "chunk_size",
     "backend",
+    "stash",
+    "scale",
     "validate",
     "return_details",
 )
 """The options every function here passes on unchanged."""
+_LOGITS_OPTIONS = (*_OPTIONS, "overwrite_logits")
 _HIDDEN_OPTIONS = ("logits_ref", "bias", "bias_ref", *_OPTIONS)
 
 
@@ -128,7 +141,39 @@ class DivergencePlan:
     chunk: int
     backend: str = "torch"
     n_stats: int = len(ROW_OUTPUTS)
-    constant: tuple[int, ...] = (1, 2, 3, 4)
+    constant: tuple[int, ...] = (1, 2, 3, 4, 5)
+
+    def stats_grads(
+        self,
+        z_c: Tensor,
+        y_c: Tensor,
+        labels: Tensor | None,
+        coef: Tensor,
+        need_z: bool,
+        need_y: bool,
+        rows: Tensor | None = None,
+        keep: Tensor | None = None,
+        overwrite: bool = True,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """:meth:`stats` and the gradients for the row coefficients ``coef`` from the same
+        pass, written over ``z_c`` / ``y_c`` with ``overwrite``."""
+        return divergence_rows_grads(
+            z_c,
+            y_c,
+            self.div,
+            coef,
+            inv_tau=self.inv_tau,
+            labels=labels,
+            rows=rows,
+            want_entropy=self.want_entropy,
+            chunk=self.chunk,
+            need_z=need_z,
+            need_y=need_y,
+            backend=self.backend,
+            keep=keep,
+            dz=z_c if overwrite and need_z else None,
+            dy=y_c if overwrite and need_y else None,
+        )
 
     def stats(
         self,
@@ -152,10 +197,11 @@ class DivergencePlan:
         )
 
     def outputs(self, out: Tensor) -> tuple[Tensor, ...]:
-        """``(D, 0, entropy, logp, logp_ref)``: the order of ``klest.logits._call.OUTPUTS``,
-        with the divergence where ``finish`` reads ``KL(pi||ref)``."""
+        """``(D, 0, 0, entropy, logp, logp_ref)``: the order of
+        ``klest.logits._call.OUTPUTS``, the divergence as the value (no KLs)."""
         value, entropy, logp, logp_ref = (t.clone() for t in out[:4])
-        return value, torch.zeros_like(value), entropy, logp, logp_ref
+        zeros = torch.zeros_like(value)
+        return value, zeros, zeros.clone(), entropy, logp, logp_ref
 
     def lse(self, out: Tensor) -> tuple[Tensor, Tensor]:
         return out[4], out[5]
@@ -196,17 +242,29 @@ def bytes_per_row(v: int) -> int:
 
 
 class _RowsDivergence(torch.autograd.Function):
-    """``(z [N, V], y [N, V]) -> (D, 0, entropy, logp, logp_ref)``, five float ``[N]``; only
-    ``D`` is differentiable."""
+    """``(z [N, V], y [N, V]) -> (D, 0, 0, entropy, logp, logp_ref)``, six float ``[N]``; only
+    ``D`` is differentiable. With ``coef`` (the value's row coefficients) the forward writes
+    the gradient and the backward rescales only the rows whose upstream gradient differs;
+    else the backward recomputes it."""
 
     @staticmethod
-    def forward(ctx, z, y, labels, rows, keep, plan: DivergencePlan, checks: ValueChecks):
+    def forward(ctx, z, y, labels, rows, keep, coef, plan: DivergencePlan, overwrite, checks):
         ctx.set_materialize_grads(False)
-        out = plan.stats(z, y, labels, rows, keep)
+        need_z, need_y = ctx.needs_input_grad[:2]
+        ctx.stash = None
+        if coef is not None:
+            out, dz, dy = plan.stats_grads(
+                z, y, labels, coef, need_z, need_y, rows, keep, overwrite=overwrite
+            )
+            ctx.stash = (dz, dy)
+            ctx.save_for_backward(coef)
+        else:
+            out = plan.stats(z, y, labels, rows, keep)
+            # the row statistics are saved for the Triton backward (the PyTorch one recomputes)
+            ctx.save_for_backward(z, y, rows, keep, out if plan.backend == "triton" else None)
         check_rows_have_distributions(*plan.lse(out), None, checks)
         ctx.plan = plan
-        # the row statistics are saved for the Triton backward (the PyTorch one recomputes)
-        ctx.save_for_backward(z, y, rows, keep, out if plan.backend == "triton" else None)
+        ctx.in_forward = coef is not None
         outputs = plan.outputs(out)
         ctx.mark_non_differentiable(*(outputs[i] for i in plan.constant))
         return outputs
@@ -214,10 +272,26 @@ class _RowsDivergence(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, *grads):
+        nones = (None,) * 7
+        if ctx.in_forward:
+            if ctx.stash is None:
+                raise RuntimeError(
+                    "this graph was already backpropagated (its gradient, written in the "
+                    "forward pass, is used up); for a second backward pass stash=False"
+                )
+            (coef,) = ctx.saved_tensors
+            dz, dy = ctx.stash
+            ctx.stash = None
+            if grads[0] is None:
+                return None, None, *nones
+            for d in (dz, dy):
+                if d is not None:
+                    rescale_rows_(d, grads[0], coef, backend=ctx.plan.backend)
+            return dz, dy, *nones
         z, y, rows, keep, out = ctx.saved_tensors
         need_z, need_y = ctx.needs_input_grad[:2]
         dz, dy = ctx.plan.grads(z, y, out, grads, None, need_z, need_y, rows, keep)
-        return dz, dy, None, None, None, None, None
+        return dz, dy, *nones
 
 
 def _from_logits(
@@ -233,6 +307,9 @@ def _from_logits(
     memory_budget: int | None,
     chunk_size: int | None,
     backend: str,
+    stash: bool | None,
+    scale: float | Tensor | None,
+    overwrite_logits: bool,
     cu_seqlens: Tensor | None,
     max_seqlen: int | None,
     counts: GlobalCounts | None,
@@ -260,9 +337,15 @@ def _from_logits(
         chunk=chunk_rows(bytes_per_row(z.shape[1]), z.device, memory_budget, chunk_size),
         backend=resolve_backend(backend, z),
     )
-    rows, flags = pos.selection(plan.backend)
-    outputs = _RowsDivergence.apply(z, y, pos.labels, rows, flags, plan, checks)
     pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, logits.device, checks)
+    pos = with_result(pos, scale=scale)
+    grad_wanted = torch.is_grad_enabled() and (z.requires_grad or y.requires_grad)
+    coef = None
+    if gradient_in_forward(pos, grad_wanted, stash, overwrite_logits, z.dtype):
+        coef = value_coefficients(pos, z.shape[0], work_dtype(z), z.device)
+    rows, flags = pos.selection(plan.backend)
+    overwrite = bool(overwrite_logits)
+    outputs = _RowsDivergence.apply(z, y, pos.labels, rows, flags, coef, plan, overwrite, checks)
     checks.run()
     return finish(outputs, pos)
 
@@ -307,6 +390,9 @@ def jsd_from_logits(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    stash: bool | None = None,
+    scale: float | Tensor | None = None,
+    overwrite_logits: bool = False,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -362,6 +448,16 @@ def jsd_from_logits(
       chunk_size: rows per chunk, overriding ``memory_budget``.
       backend: ``"auto"`` (Triton on CUDA when available, else PyTorch), ``"torch"``,
         ``"triton"`` (also on CPU tensors under ``TRITON_INTERPRET=1``, for tests).
+      stash: None (default): the gradient is written in the forward pass when the result is a
+        scalar (or ``scale`` is given, or ``overwrite_logits``) and the backward only rescales
+        the rows whose upstream gradient differs; False: the backward recomputes it (needed to
+        backpropagate twice); True: always in the forward (as :func:`klest.kl_from_logits`).
+      scale: multiplies the result and its gradient (a loss coefficient, ``1 / count``), so
+        that ``loss = other + f(..., scale=beta)`` reaches the backward with 1 and it does
+        nothing; a per-position result with a ``scale`` is taken to be summed.
+      overwrite_logits: write the gradient over ``logits`` (and ``logits_ref``, when it
+        requires grad) instead of new tensors: no second ``[N, V]`` buffer, but the logits are
+        gone after the call (off by default: trainers reuse them).
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: check for rows with NaN / ``+inf`` logits or no finite logit, labels out of
         range, non-0/1 masks (None: the global default).
@@ -387,7 +483,7 @@ def jsd_from_logits(
       True
     """
     beta = check_unit_interval("beta", beta, open_low=False, open_high=False)
-    options = _options(locals(), _OPTIONS)
+    options = _options(locals(), _LOGITS_OPTIONS)
     if beta in (0.0, 1.0):
         direction = "ref||pi" if beta == 0.0 else "pi||ref"
         return kl_from_logits(logits, logits_ref, direction=direction, **options)
@@ -408,6 +504,9 @@ def skew_kl_from_logits(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    stash: bool | None = None,
+    scale: float | Tensor | None = None,
+    overwrite_logits: bool = False,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -444,6 +543,9 @@ def skew_kl_from_logits(
       memory_budget: as in :func:`jsd_from_logits`.
       chunk_size: as in :func:`jsd_from_logits`.
       backend: as in :func:`jsd_from_logits`.
+      stash: as in :func:`jsd_from_logits`.
+      scale: as in :func:`jsd_from_logits`.
+      overwrite_logits: as in :func:`jsd_from_logits`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
@@ -461,7 +563,7 @@ def skew_kl_from_logits(
     """
     check_direction(direction)
     alpha = check_unit_interval("alpha", alpha, open_low=False, open_high=True)
-    options = _options(locals(), _OPTIONS)
+    options = _options(locals(), _LOGITS_OPTIONS)
     if alpha == 0.0:
         return kl_from_logits(logits, logits_ref, direction=direction, **options)
     return _from_logits(skew_divergence(alpha, direction), logits, logits_ref, **options)
@@ -479,6 +581,9 @@ def tv_from_logits(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    stash: bool | None = None,
+    scale: float | Tensor | None = None,
+    overwrite_logits: bool = False,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -512,6 +617,9 @@ def tv_from_logits(
       memory_budget: as in :func:`jsd_from_logits`.
       chunk_size: as in :func:`jsd_from_logits`.
       backend: as in :func:`jsd_from_logits`.
+      stash: as in :func:`jsd_from_logits`.
+      scale: as in :func:`jsd_from_logits`.
+      overwrite_logits: as in :func:`jsd_from_logits`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
@@ -537,6 +645,9 @@ def tv_from_logits(
         memory_budget=memory_budget,
         chunk_size=chunk_size,
         backend=backend,
+        stash=stash,
+        scale=scale,
+        overwrite_logits=overwrite_logits,
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
         counts=counts,
@@ -563,6 +674,8 @@ def jsd_from_hidden(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    stash: bool | None = None,
+    scale: float | Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -607,6 +720,9 @@ def jsd_from_hidden(
         1 GiB on a GPU).
       chunk_size: rows per chunk, overriding ``memory_budget``.
       backend: as in :func:`jsd_from_logits`.
+      stash: as in :func:`klest.kl_from_hidden` (the gradients in the forward pass for a scalar
+        ``reduction``).
+      scale: as in :func:`jsd_from_logits`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
@@ -652,6 +768,8 @@ def skew_kl_from_hidden(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    stash: bool | None = None,
+    scale: float | Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -695,6 +813,8 @@ def skew_kl_from_hidden(
       memory_budget: as in :func:`jsd_from_hidden`.
       chunk_size: as in :func:`jsd_from_hidden`.
       backend: as in :func:`jsd_from_hidden`.
+      stash: as in :func:`jsd_from_hidden`.
+      scale: as in :func:`jsd_from_hidden`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_hidden`.
       return_details: as in :func:`jsd_from_hidden`.
@@ -739,6 +859,8 @@ def tv_from_hidden(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    stash: bool | None = None,
+    scale: float | Tensor | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -777,6 +899,8 @@ def tv_from_hidden(
       memory_budget: as in :func:`jsd_from_hidden`.
       chunk_size: as in :func:`jsd_from_hidden`.
       backend: as in :func:`jsd_from_hidden`.
+      stash: as in :func:`jsd_from_hidden`.
+      scale: as in :func:`jsd_from_hidden`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_hidden`.
       return_details: as in :func:`jsd_from_hidden`.

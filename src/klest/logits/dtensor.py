@@ -16,17 +16,29 @@ shard of the vocabulary.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor
 
-__all__ = ["is_dtensor", "kl_dtensor"]
+from klest._checks import ValueChecks
+from klest._types import DEFAULT_REDUCTION
+from klest.logits._sharded import is_dtensor
+from klest.logits.from_hidden import kl_from_hidden as kl_from_plain_hidden
+from klest.logits.from_logits import kl_from_logits as kl_from_plain_logits
+from klest.logits.from_logits import position_kls as plain_position_kls
+from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
+from klest.logits.vocab_parallel_hidden import kl_from_hidden_vocab_parallel
 
-
-def is_dtensor(x: object) -> bool:
-    """Whether ``x`` is a ``torch.distributed.tensor.DTensor`` (without importing it early)."""
-    return type(x).__name__ == "DTensor" and type(x).__module__.startswith("torch.distributed")
+__all__ = [
+    "is_dtensor",
+    "kl_dtensor",
+    "kl_from_hidden",
+    "kl_from_logits",
+    "kl_hidden_dtensor",
+    "position_kls",
+]
 
 
 def _placements(logits: Any, logits_ref: Any, name: str) -> tuple[int | None, list[int]]:
@@ -88,8 +100,6 @@ def kl_dtensor(
     """The KL of DTensor logits: ``vocab_parallel`` over the vocabulary's mesh dimension (or
     ``single`` when the vocabulary is whole), on the local positions; the result as a DTensor
     (module docstring). ``options`` are passed on; DTensor ``mask``/``labels`` become local."""
-    from torch.distributed.tensor import DTensor, Partial, Replicate
-
     vocab_dim, position_dims = _placements(logits, logits_ref, name)
     mesh = logits.device_mesh
     local_options = {k: _local(v) for k, v in options.items()}
@@ -108,33 +118,168 @@ def kl_dtensor(
     else:
         group = mesh.get_group(vocab_dim)
         out = vocab_parallel(z, y, group=group, vocab_size=logits.shape[-1], **local_options)
+    return _as_dtensor(out, mesh, logits.placements, vocab_dim, logits.ndim)
+
+
+def _as_dtensor(out: Any, mesh: Any, placements: Any, vocab_dim: int | None, ndim: int) -> Any:
+    """A per-rank result (or ``(result, details)``) as a DTensor: the vocabulary's mesh
+    dimension replicated, position shards kept, sums over sharded positions ``Partial``."""
+    from torch.distributed.tensor import DTensor, Partial, Replicate
+
     value = out[0] if isinstance(out, tuple) else out
-    placements = []
-    for i, p in enumerate(logits.placements):
+    result = []
+    for i, p in enumerate(placements):
         if i == vocab_dim or p.is_replicate():
-            placements.append(Replicate())
-        elif p.dim % logits.ndim < value.ndim:  # a position dimension the result keeps
-            placements.append(p)
+            result.append(Replicate())
+        elif p.dim % ndim < value.ndim:  # a position dimension the result keeps
+            result.append(p)
         else:  # summed over: each rank holds a part of the sum
-            placements.append(Partial())
-    wrapped = DTensor.from_local(value, mesh, placements, run_check=False)
+            result.append(Partial())
+    wrapped = DTensor.from_local(value, mesh, result, run_check=False)
     if isinstance(out, tuple):
         return type(out)(wrapped, out[1])
     return wrapped
 
 
-def local_of(x: Any) -> Tensor:
-    """A DTensor's local tensor, a plain tensor as it is."""
-    return _local(x)
+def _head_vocab_dim(weight: Any, name: str) -> int:
+    """The mesh dimension sharding an LM head's rows (``Shard(0)``); every other one replicated."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    vocab_dim = None
+    for i, p in enumerate(weight.placements):
+        if type(p) is Shard and p.dim % weight.ndim == 0 and vocab_dim is None:
+            vocab_dim = i
+        elif not isinstance(p, Replicate):
+            raise ValueError(
+                f"{name}: mesh dimension {i} holds the head as {p}; klest maps one Shard(0) "
+                "(the vocabulary, tensor parallelism) and Replicate elsewhere (an FSDP2 shard: "
+                "use klest.nn.KLFromHidden(..., gather_with=model))"
+            )
+    if vocab_dim is None:
+        raise ValueError(f"{name}: no mesh dimension shards the head's rows (Shard(0))")
+    return vocab_dim
 
 
-def refuse_sharded_weight(weight: object, hidden: object, name: str) -> None:
-    """A DTensor head weight with plain hidden states is an FSDP2 shard read outside the
-    module's forward: refuse it with the module form that gathers it."""
-    if is_dtensor(weight) and not is_dtensor(hidden):
+def kl_hidden_dtensor(
+    hidden: Any,
+    weight: Any,
+    hidden_ref: Any,
+    weight_ref: Any,
+    *,
+    vocab_parallel: Callable[..., Any],
+    reduction: str,
+    counts: object,
+    options: dict[str, Any],
+) -> Any:
+    """The KL from DTensor hidden states and vocabulary-sharded DTensor heads: the heads' rows
+    mesh dimension becomes ``vocab_parallel``'s group; the hidden states are replicated over it
+    (redistributed if not), their local gradient a ``Partial`` sum there; positions sharded on
+    other mesh dimensions stay local; the result as in :func:`kl_dtensor`."""
+    from torch.distributed.tensor import Partial, Replicate
+
+    name = "kl_from_hidden"
+    if not all(is_dtensor(t) for t in (hidden, weight, hidden_ref, weight_ref)):
+        raise TypeError(f"{name}: hidden, weight, hidden_ref and weight_ref must all be DTensors")
+    vocab_dim = _head_vocab_dim(weight, "weight")
+    if _head_vocab_dim(weight_ref, "weight_ref") != vocab_dim or weight.device_mesh != (
+        mesh := hidden.device_mesh
+    ):
+        raise ValueError(f"{name}: both heads must shard their rows over one mesh dimension")
+
+    def local_hidden(h: Any) -> Tensor:
+        places = list(h.placements)
+        if not places[vocab_dim].is_replicate():
+            places[vocab_dim] = Replicate()
+            h = h.redistribute(mesh, places)
+        grads = [Partial() if i == vocab_dim else p for i, p in enumerate(places)]
+        return h.to_local(grad_placements=grads)
+
+    positions = [p for i, p in enumerate(hidden.placements) if i != vocab_dim]
+    if any(isinstance(p, Partial) for p in positions):
+        raise ValueError(f"{name}: Partial hidden states: redistribute them first")
+    local_options = {k: _local(v) for k, v in options.items()}
+    sharded = any(not p.is_replicate() for p in positions)
+    if sharded and reduction not in ("none", "per-sequence", "sum") and counts is None:
         raise ValueError(
-            f"{name} is a DTensor shard (a head sharded by FSDP2's fully_shard?) read outside its "
-            "module's forward; use klest.nn.KLFromHidden(lm_head, ref_head, gather_with=model), "
-            "which runs the KL as a forward method of the sharded model so that the weights are "
-            "gathered, or pass the gathered weight"
+            f"{name}: reduction={reduction!r} over sharded positions needs counts=, or use "
+            "reduction='sum' or 'none'"
         )
+    out = vocab_parallel(
+        local_hidden(hidden),
+        weight.to_local(),
+        local_hidden(hidden_ref),
+        weight_ref.to_local(),
+        group=mesh.get_group(vocab_dim),
+        vocab_size=weight.shape[0],
+        reduction=reduction,
+        counts=counts,
+        **local_options,
+    )
+    return _as_dtensor(out, mesh, hidden.placements, vocab_dim, hidden.ndim)
+
+
+@functools.wraps(kl_from_plain_logits)
+def kl_from_logits(logits: Tensor, logits_ref: Tensor, **options: Any) -> Any:
+    if not (is_dtensor(logits) or is_dtensor(logits_ref)):
+        return kl_from_plain_logits(logits, logits_ref, **options)
+    reduction = options.pop("reduction", DEFAULT_REDUCTION)
+    counts = options.pop("counts", None)
+    return kl_dtensor(
+        logits,
+        logits_ref,
+        single=kl_from_plain_logits,
+        vocab_parallel=kl_from_logits_vocab_parallel,
+        reduction=reduction,
+        counts=counts,
+        options=options,
+    )
+
+
+@functools.wraps(kl_from_plain_hidden)
+def kl_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    hidden_ref: Tensor | None = None,
+    weight_ref: Tensor | None = None,
+    **options: Any,
+) -> Any:
+    if not (is_dtensor(hidden) and is_dtensor(weight)):  # an FSDP2 shard alone is refused there
+        return kl_from_plain_hidden(hidden, weight, hidden_ref, weight_ref, **options)
+    reduction = options.pop("reduction", DEFAULT_REDUCTION)
+    counts = options.pop("counts", None)
+    return kl_hidden_dtensor(
+        hidden,
+        weight,
+        hidden_ref,
+        weight_ref,
+        vocab_parallel=kl_from_hidden_vocab_parallel,
+        reduction=reduction,
+        counts=counts,
+        options=options,
+    )
+
+
+def position_kls(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    direction: str,
+    keep: Tensor | None,
+    checks: ValueChecks,
+) -> Tensor:
+    """Exact per-position KLs ``[...]`` for klest's estimators (0 where ``keep`` is False), as
+    a plain tensor of this rank's positions: DTensor logits go through :func:`kl_dtensor` (the
+    vocabulary-parallel path runs its own value checks)."""
+    if not (is_dtensor(logits) or is_dtensor(logits_ref)):
+        return plain_position_kls(logits, logits_ref, direction=direction, keep=keep, checks=checks)
+    out = kl_dtensor(
+        logits,
+        logits_ref,
+        single=kl_from_plain_logits,
+        vocab_parallel=kl_from_logits_vocab_parallel,
+        reduction="none",
+        counts=None,
+        options={"direction": direction, "mask": keep},
+        name="kl_penalty",
+    )
+    return out.to_local()

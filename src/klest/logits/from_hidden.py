@@ -5,7 +5,7 @@ The last layer of a language model maps hidden states ``h`` ``[N, H]`` to logits
 KL of :func:`klest.kl_from_logits` between pi's ``softmax(z / T)`` and ref's distribution (from
 ref's own hidden states and head, or from ref's logits) chunk by chunk: each chunk of rows makes
 its logits, reduces them to a few floats per row (:mod:`klest.logits._rows`), and drops them. The
-backward recomputes each chunk's logits and applies
+gradients are
 
 .. math::
     \frac{\partial L}{\partial h} = G\,W, \qquad
@@ -13,8 +13,22 @@ backward recomputes each chunk's logits and applies
     \frac{\partial L}{\partial b} = \textstyle\sum_n G_n,
 
 with ``G = dL/dz`` of the chunk (the logits gradient of :mod:`klest.logits.from_logits`), and
-likewise on ref's side when its tensors require grad. Peak memory beyond inputs and gradients:
-one chunk of logits for each model and the chunk workspace.
+likewise on ref's side when its tensors require grad. Two ways, chosen automatically:
+
+* **gradient in the forward** (a scalar reduction, the training loss): each chunk's ``G``,
+  for the reduction's weights times ``scale``, is written over the chunk's own logits, and
+  ``dh = G W`` and ``dW += G^T h`` (float32 accumulation) follow at once; the backward only
+  multiplies them by the upstream gradient, on the device and not at all when it is 1.
+  Matrix products per trainable head: 2 (the logits of both models; 1 when ref comes as logits)
+  + ``dh`` (when ``hidden`` requires grad) + ``dW`` (when the head does), so 4 for a student
+  trained against a frozen teacher's head, and none of the teacher's own;
+* **recompute** (a per-position result, whose upstream gradients are unknown in the forward;
+  ``stash=False``, to backpropagate twice; gradients through the details): the backward makes
+  each chunk's logits again, 2 more products.
+
+Peak memory beyond inputs and gradients: one chunk of logits for each model and the chunk
+workspace (and, with the gradient in the forward, the gradients from the forward to the
+backward: ``dh``, and ``dW`` in float32).
 
 The fused linear + loss idea is Liger-Kernel's fused linear cross-entropy, here applied to the
 exact KL of "Better Estimation of the Kullback-Leibler Divergence Between Language Models" by
@@ -23,6 +37,7 @@ Afra Amini, Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,22 +57,31 @@ from klest._checks import (
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails
 from klest.logits._call import (
-    OUTPUTS,
     LogitsDetails,
     check_plan_options,
     finish,
+    gradient_in_forward,
     in_sequences,
+    plus_grads,
     positions,
+    valid_columns,
+    value_coefficients,
+    value_grads,
+    value_of,
+    with_result,
 )
 from klest.logits._rows import (
     chunk_rows,
     resolve_backend,
     row_grads,
     row_stats,
+    row_stats_grads,
     workspace_bytes_per_row,
 )
+from klest.logits._sharded import refuse_sharded_weight
 from klest.logits._stats import Grads, KLRowStats
-from klest.logits.dtensor import refuse_sharded_weight
+from klest.logits.kernels import scale_
+from klest.logits.vocab_parallel import VocabShard
 
 __all__ = ["HiddenRowPlan", "kl_from_hidden", "run_hidden"]
 
@@ -66,9 +90,11 @@ class HiddenRowPlan(Protocol):
     """What the fused Function computes on each chunk of rows' logits ``z_c``, ``y_c``.
 
     ``stats`` gives ``n_stats`` per-row floats ``[n_stats, n_c]`` (saved for the backward);
-    ``outputs`` turns them into the five outputs of :func:`klest.logits._call.finish` and
-    ``lse`` into the two log-normalizers (checked); ``constant`` names the outputs without a
-    gradient; ``grads`` gives ``dL/dz_c`` and ``dL/dy_c`` from the upstream gradients.
+    ``stats_grads`` the same and, from the same pass, ``dL/dz_c`` and ``dL/dy_c`` for the
+    value's row coefficients ``coef`` (written over ``z_c`` / ``y_c``); ``outputs`` turns them
+    into the six outputs of :func:`klest.logits._call.finish` and ``lse`` into the two
+    log-normalizers (checked); ``constant`` names the outputs without a gradient; ``grads``
+    gives ``dL/dz_c`` and ``dL/dy_c`` from the upstream gradients of the six outputs.
     """
 
     chunk: int
@@ -76,6 +102,16 @@ class HiddenRowPlan(Protocol):
     constant: tuple[int, ...]
 
     def stats(self, z_c: Tensor, y_c: Tensor, labels: Tensor | None) -> Tensor: ...
+
+    def stats_grads(
+        self,
+        z_c: Tensor,
+        y_c: Tensor,
+        labels: Tensor | None,
+        coef: Tensor,
+        need_z: bool,
+        need_y: bool,
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]: ...
 
     def outputs(self, out: Tensor) -> tuple[Tensor, ...]: ...
 
@@ -102,38 +138,53 @@ class _KLPlan:
     backend: str
     chunk: int
     direction: str
+    ce_weight: float = 0.0
     n_stats: int = 7
     constant: tuple[int, ...] = ()
 
+    def _options(self, z_c: Tensor, labels: Tensor | None) -> dict:
+        return {
+            "inv_tau": self.inv_tau,
+            "labels": labels,
+            "rows": None,
+            "want_entropy": self.want_entropy,
+            "backend": self.backend,
+            "chunk": z_c.shape[0],
+            "want_kl_ref_pi": self.direction == "ref||pi",
+            "want_kl_pi_ref": self.direction == "pi||ref",
+        }
+
     def stats(self, z_c: Tensor, y_c: Tensor, labels: Tensor | None) -> Tensor:
-        return torch.stack(
-            row_stats(
-                z_c,
-                y_c,
-                inv_tau=self.inv_tau,
-                labels=labels,
-                rows=None,
-                want_entropy=self.want_entropy,
-                backend=self.backend,
-                chunk=z_c.shape[0],
-                want_kl_ref_pi=self.direction == "ref||pi",
-                want_kl_pi_ref=self.direction == "pi||ref",
-            )
+        return torch.stack(row_stats(z_c, y_c, **self._options(z_c, labels)))
+
+    def stats_grads(self, z_c, y_c, labels, coef, need_z, need_y):
+        stats, dz, dy = row_stats_grads(
+            z_c,
+            y_c,
+            value_grads(coef, self.direction, self.ce_weight),
+            need_z=need_z,
+            need_y=need_y,
+            dz=z_c if need_z else None,
+            dy=y_c if need_y else None,
+            **self._options(z_c, labels),
         )
+        return torch.stack(stats), dz, dy
 
     def outputs(self, out: Tensor) -> tuple[Tensor, ...]:
         stats = KLRowStats(*out.unbind(0))
-        return tuple(getattr(stats, name) for name in OUTPUTS)
+        return (value_of(stats, self.direction, self.ce_weight), *stats[2:])
 
     def lse(self, out: Tensor) -> tuple[Tensor, Tensor]:
         return out[0], out[1]
 
     def grads(self, z_c, y_c, saved, grads, labels, need_z, need_y):
+        g_value, *g_stats = grads
+        value = None if g_value is None else value_grads(g_value, self.direction, self.ce_weight)
         return row_grads(
             z_c,
             y_c,
             KLRowStats(*saved.unbind(0)),
-            Grads(*grads),
+            plus_grads(Grads(*g_stats), value),
             inv_tau=self.inv_tau,
             labels=labels,
             rows=None,
@@ -172,21 +223,55 @@ class _Head:
         )
 
 
+def _low_precision(t: Tensor) -> bool:
+    return t.dtype in (torch.bfloat16, torch.float16)
+
+
+@functools.cache
+def _float32_products(device_type: str) -> bool:
+    """Whether ``torch.mm`` / ``torch.addmm`` take ``out_dtype=torch.float32`` for bf16 inputs
+    on this device (CUDA; checked once on two tiny matrices)."""
+    try:
+        a = torch.ones(2, 2, dtype=torch.bfloat16, device=device_type)
+        acc = torch.zeros(2, 2, device=device_type)
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+        return bool(torch.mm(a, a, out_dtype=torch.float32).dtype == torch.float32)
+    except (RuntimeError, TypeError, NotImplementedError):
+        return False
+
+
+def _product(a: Tensor, b: Tensor, *, into: Tensor | None = None) -> Tensor:
+    """``a @ b`` in float32 at least (added to ``into``, a float32 accumulator, when given):
+    low-precision inputs are multiplied with float32 accumulation and a float32 result (CUDA's
+    ``out_dtype``, else float32 copies of the operands)."""
+    if not _low_precision(a):
+        return torch.mm(a, b) if into is None else torch.addmm(into, a, b, out=into)
+    if a.is_cuda and _float32_products(a.device.type):
+        if into is None:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        return torch.addmm(into, a, b, out_dtype=torch.float32, out=into)
+    if into is None:
+        return torch.mm(a.float(), b.float())
+    return torch.addmm(into, a.float(), b.float(), out=into)
+
+
 class _HeadGrads:
     """Gradients of one side, accumulated over chunks: per-row tensors (hidden states, logits)
-    written row by row, weights and biases summed (in float32 at least)."""
+    written row by row, weights and biases summed (in float32 at least). ``wide``: hold the
+    hidden states' gradient in float32 too (it is scaled in the backward before its rounding)."""
 
-    def __init__(self, head: _Head, need: tuple[bool, bool, bool, bool]) -> None:
+    def __init__(
+        self, head: _Head, need: tuple[bool, bool, bool, bool], *, wide: bool = False
+    ) -> None:
         self.head = head
-        wide = torch.float32
 
         def zeros(t: Tensor | None, needed: bool, *, summed: bool) -> Tensor | None:
             if t is None or not needed:
                 return None
-            dtype = torch.promote_types(t.dtype, wide) if summed else t.dtype
+            dtype = torch.promote_types(t.dtype, torch.float32) if summed else t.dtype
             return torch.zeros_like(t, dtype=dtype)
 
-        self.hidden = zeros(head.hidden, need[0], summed=False)
+        self.hidden = zeros(head.hidden, need[0], summed=wide)
         self.weight = zeros(head.weight, need[1], summed=True)
         self.bias = zeros(head.bias, need[2], summed=True)
         self.logits = zeros(head.logits, need[3], summed=False)
@@ -194,6 +279,9 @@ class _HeadGrads:
     @property
     def needed(self) -> bool:
         return any(g is not None for g in (self.hidden, self.weight, self.bias, self.logits))
+
+    def buffers(self) -> tuple[Tensor | None, ...]:
+        return self.hidden, self.weight, self.bias, self.logits
 
     def add(self, idx: Tensor, d: Tensor | None) -> None:
         """Fold in ``d = dL/dlogits`` of the chunk ``idx``."""
@@ -204,16 +292,26 @@ class _HeadGrads:
             self.logits.index_copy_(0, idx, d.to(self.logits.dtype))
         if head.weight is None or head.hidden is None:
             return
+        d = d.to(head.weight.dtype)
         if self.hidden is not None:
-            self.hidden.index_copy_(
-                0, idx, (d.to(head.weight.dtype) @ head.weight).to(self.hidden.dtype)
-            )
+            # In float32 (accumulated so inside the product), rounded once into the buffer.
+            self.hidden.index_copy_(0, idx, _product(d, head.weight).to(self.hidden.dtype))
         if self.weight is not None:
-            # The chunk's product in the inputs' dtype (fp32 accumulation inside the matmul),
-            # summed over chunks in float32.
-            self.weight.add_(d.T @ head.hidden.index_select(0, idx).to(d.dtype))
+            # Each chunk's product accumulated in float32 into the float32 sum.
+            h_c = head.hidden.index_select(0, idx).to(d.dtype)
+            if self.weight.dtype == torch.float32:
+                _product(d.T, h_c, into=self.weight)
+            else:
+                self.weight.add_(_product(d.T, h_c))
         if self.bias is not None:
-            self.bias.add_(d.sum(0).to(self.bias.dtype))
+            self.bias.add_(d.sum(0, dtype=self.bias.dtype))
+
+    def scale(self, r: Tensor, backend: str) -> None:
+        """Every gradient held times the one-element ``r`` (the upstream gradient): on the
+        device, and not at all where ``r == 1`` (:func:`scale_by`)."""
+        for g in self.buffers():
+            if g is not None:
+                scale_by(g, r, backend=backend)
 
     def result(self) -> Iterator[Tensor | None]:
         """``(d hidden, d weight, d bias, d logits)`` in the inputs' dtypes."""
@@ -227,24 +325,73 @@ class _HeadGrads:
             yield None if g is None or t is None else g.to(t.dtype)
 
 
+def scale_by(x: Tensor, r: Tensor, *, backend: str) -> Tensor:
+    """``x *= r`` (``r`` one number on ``x``'s device, ``r == 0`` giving zeros), skipped where
+    ``r == 1``: decided on the device on the Triton backend (:func:`~klest.logits.kernels.
+    scale_`), on the host on the CPU (free there), and always done otherwise."""
+    if backend == "triton" and x.is_contiguous():
+        return scale_(x, r)
+    if x.device.type == "cpu":
+        factor = float(r)
+        if factor == 1.0:
+            return x
+        return x.zero_() if factor == 0.0 else x.mul_(factor)
+    return x.copy_(torch.where(r == 0, 0.0, x * r.to(x.dtype)))
+
+
+def uniform_factor(g: Tensor, c: Tensor) -> Tensor:
+    """The one factor ``r`` with ``g = r c`` (a scalar result's upstream gradient ``r``, spread
+    over the rows by the reduction's weights ``c``): ``sum g c / sum c^2``, exactly 1 when
+    ``g == c`` bit for bit, 0 when every ``c`` is 0. No host synchronisation."""
+    cc = (c * c).sum()
+    return torch.where(cc > 0, (g * c).sum() / torch.where(cc > 0, cc, 1.0), 0.0).reshape(1)
+
+
 class _HiddenRows(torch.autograd.Function):
-    """``(h, W, b, h_ref, W_ref, b_ref, y) -> five float [N] outputs`` of a
-    :class:`HiddenRowPlan`; ref logits ``y`` or ``(h_ref, W_ref, b_ref)``."""
+    """``(h, W, b, h_ref, W_ref, b_ref, y) -> six float [N] outputs`` of a
+    :class:`HiddenRowPlan`; ref logits ``y`` or ``(h_ref, W_ref, b_ref)``.
+
+    ``coef`` (the value's row coefficients, or None): write the gradients in the forward pass
+    (module docstring) and scale them in the backward by the one factor the upstream gradients
+    are of ``coef``; else recompute in the backward."""
 
     @staticmethod
-    def forward(ctx, h, w, b, h_ref, w_ref, b_ref, y, labels, rows, plan, checks: ValueChecks):
+    def forward(
+        ctx, h, w, b, h_ref, w_ref, b_ref, y, labels, rows, coef, plan, checks: ValueChecks
+    ):
         ctx.set_materialize_grads(False)
+        need = ctx.needs_input_grad
         pi, ref = _Head(h, w, b), _Head(h_ref, w_ref, b_ref, y)
         n = h.shape[0]
         dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
         out = torch.zeros(plan.n_stats, n, dtype=dtype, device=h.device)
+        in_forward = coef is not None
+        if in_forward:
+            pi_grads = _HeadGrads(pi, (need[0], need[1], need[2], False), wide=True)
+            ref_grads = _HeadGrads(ref, (need[3], need[4], need[5], need[6]), wide=True)
         for idx in _chunk_selections(n, rows, plan.chunk, h.device):
             z_c, y_c = pi.chunk_logits(idx), ref.chunk_logits(idx)
             lab = None if labels is None else labels.index_select(0, idx)
-            out.index_copy_(1, idx, plan.stats(z_c, y_c, lab).to(dtype))
+            if in_forward:
+                stats, dz_c, dy_c = plan.stats_grads(
+                    z_c, y_c, lab, coef.index_select(0, idx), pi_grads.needed, ref_grads.needed
+                )
+                pi_grads.add(idx, dz_c)
+                ref_grads.add(idx, dy_c)
+            else:
+                stats = plan.stats(z_c, y_c, lab)
+            out.index_copy_(1, idx, stats.to(dtype))
         check_rows_have_distributions(*plan.lse(out), None, checks)
         ctx.plan = plan
-        ctx.save_for_backward(h, w, b, h_ref, w_ref, b_ref, y, labels, rows, out)
+        ctx.grads = (pi_grads, ref_grads) if in_forward else None
+        ctx.in_forward = in_forward
+        recompute_inputs = (h, w, b, h_ref, w_ref, b_ref, y, labels, rows, out)
+        if not in_forward:
+            ctx.save_for_backward(*recompute_inputs)
+        elif getattr(plan, "want_entropy", False):  # details: they may be differentiated
+            ctx.save_for_backward(coef, *recompute_inputs)
+        else:
+            ctx.save_for_backward(coef)
         outputs = plan.outputs(out)
         ctx.mark_non_differentiable(*(outputs[i] for i in plan.constant))
         return outputs
@@ -253,26 +400,55 @@ class _HiddenRows(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, *grads):
         plan: HiddenRowPlan = ctx.plan
-        h, w, b, h_ref, w_ref, b_ref, y, labels, rows, out = ctx.saved_tensors
         need = ctx.needs_input_grad
-        pi = _HeadGrads(_Head(h, w, b), (need[0], need[1], need[2], False))
-        ref = _HeadGrads(_Head(h_ref, w_ref, b_ref, y), (need[3], need[4], need[5], need[6]))
-        for idx in _chunk_selections(h.shape[0], rows, plan.chunk, h.device):
-            z_c, y_c = pi.head.chunk_logits(idx), ref.head.chunk_logits(idx)
-            dz_c, dy_c = plan.grads(
-                z_c,
-                y_c,
-                out.index_select(1, idx),
-                tuple(None if g is None else g.index_select(0, idx) for g in grads),
-                None if labels is None else labels.index_select(0, idx),
-                pi.needed,
-                ref.needed,
+        if not ctx.in_forward:
+            return (*_recompute(ctx.saved_tensors, grads, plan, need), None, None, None, None, None)
+        coef, *saved = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError(
+                "this graph was already backpropagated (its gradients, written in the forward "
+                "pass, are used up); for a second backward (retain_graph=True) pass stash=False"
             )
-            pi.add(idx, dz_c)
-            ref.add(idx, dy_c)
-        d_h, d_w, d_b, _ = pi.result()
-        d_h_ref, d_w_ref, d_b_ref, d_y = ref.result()
-        return d_h, d_w, d_b, d_h_ref, d_w_ref, d_b_ref, d_y, None, None, None, None
+        pi_grads, ref_grads = ctx.grads
+        ctx.grads = None
+        g_value, *g_stats = grads
+        if any(g is not None for g in g_stats):
+            # A gradient through the details: all of it recomputed, rounded once.
+            result = _recompute(saved, grads, plan, need)
+        elif g_value is None:
+            result = [None] * 7
+        else:
+            backend = getattr(plan, "backend", "torch")
+            r = uniform_factor(g_value, coef)
+            pi_grads.scale(r, backend)
+            ref_grads.scale(r, backend)
+            d_h, d_w, d_b, _ = pi_grads.result()
+            d_h_ref, d_w_ref, d_b_ref, d_y = ref_grads.result()
+            result = [d_h, d_w, d_b, d_h_ref, d_w_ref, d_b_ref, d_y]
+        return (*result, None, None, None, None, None)
+
+
+def _recompute(saved, grads, plan: HiddenRowPlan, need) -> list[Tensor | None]:
+    """The seven input gradients, each chunk's logits made again (2 more products)."""
+    h, w, b, h_ref, w_ref, b_ref, y, labels, rows, out = saved
+    pi = _HeadGrads(_Head(h, w, b), (need[0], need[1], need[2], False))
+    ref = _HeadGrads(_Head(h_ref, w_ref, b_ref, y), (need[3], need[4], need[5], need[6]))
+    for idx in _chunk_selections(h.shape[0], rows, plan.chunk, h.device):
+        z_c, y_c = pi.head.chunk_logits(idx), ref.head.chunk_logits(idx)
+        dz_c, dy_c = plan.grads(
+            z_c,
+            y_c,
+            out.index_select(1, idx),
+            tuple(None if g is None else g.index_select(0, idx) for g in grads),
+            None if labels is None else labels.index_select(0, idx),
+            pi.needed,
+            ref.needed,
+        )
+        pi.add(idx, dz_c)
+        ref.add(idx, dy_c)
+    d_h, d_w, d_b, _ = pi.result()
+    d_h_ref, d_w_ref, d_b_ref, d_y = ref.result()
+    return [d_h, d_w, d_b, d_h_ref, d_w_ref, d_b_ref, d_y]
 
 
 def _ref_side(
@@ -324,6 +500,10 @@ def kl_from_hidden(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    stash: bool | None = None,
+    scale: float | Tensor | None = None,
+    ce_weight: float = 0.0,
+    valid_vocab_size: int | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -340,6 +520,21 @@ def kl_from_hidden(
     (or :math:`KL(ref\|\pi)`), equal to :func:`klest.kl_from_logits` on the materialized logits,
     with gradients to ``hidden``, ``weight``, ``bias`` and, when they require grad, to ref's
     tensors. No samples: the exact per-position term; no ``[N, V]`` tensor ever exists.
+
+    Work: with a scalar ``reduction`` (the training loss) the gradients are made in the forward
+    pass, chunk by chunk (each chunk's logits gradient written over its logits, then
+    ``dh = G W`` and ``dW += G^T h`` in float32), and the backward only multiplies them by the
+    upstream gradient (nothing at all when it is 1: fold a loss coefficient into ``scale``).
+    Matrix products: the logits of each model given by hidden states (2, or 1 with
+    ``logits_ref``), plus ``dh`` and ``dW`` for each side whose hidden states / head require
+    grad: 4 for a student against a frozen teacher. A per-position result
+    (``reduction="none"`` / ``"per-sequence"``), ``stash=False``, or a gradient through the
+    details recompute the logits in the backward instead (2 more products).
+
+    DTensor hidden states and heads whose rows are sharded over a mesh dimension (``Shard(0)``:
+    tensor parallelism, torchtitan's column-wise ``lm_head``) run
+    :func:`klest.kl_from_hidden_vocab_parallel` over that dimension's group and return a DTensor
+    (:mod:`klest.logits.dtensor`).
 
     See "Better Estimation of the Kullback-Leibler Divergence Between Language Models" by Afra
     Amini, Tim Vieira and Ryan Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637).
@@ -367,6 +562,16 @@ def kl_from_hidden(
         1 GiB on a GPU).
       chunk_size: rows per chunk, overriding ``memory_budget``.
       backend: as in :func:`klest.kl_from_logits`.
+      stash: None (default) writes the gradients in the forward pass for a scalar
+        ``reduction`` and recomputes for a per-position one; False always recomputes (needed to
+        backpropagate twice); True insists on the forward pass (a scalar ``reduction`` only).
+      scale: multiplies the result (and its gradient), e.g. the loss coefficient ``beta``, so
+        that ``loss = pg + kl_from_hidden(..., scale=beta)`` reaches the backward with 1.
+      ce_weight: add ``ce_weight`` times the labels' cross-entropy ``-log pi(label)`` to each
+        position's KL (SFT + distillation in one pass; needs ``labels``).
+      valid_vocab_size: the real vocabulary :math:`V'`: only each head's first :math:`V'` rows
+        count (the rest padding, as in :func:`klest.kl_from_logits`); the heads may then differ
+        in rows. No copy: the rows are a view.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`klest.kl_from_logits`.
       return_details: also return a :class:`~klest.LogitsDetails`.
@@ -385,7 +590,7 @@ def kl_from_hidden(
     """
 
     def make_plan(inv_tau: float, resolved: str, chunk: int) -> _KLPlan:
-        return _KLPlan(inv_tau, return_details, resolved, chunk, direction)
+        return _KLPlan(inv_tau, return_details, resolved, chunk, direction, float(ce_weight))
 
     return run_hidden(
         hidden,
@@ -404,6 +609,9 @@ def kl_from_hidden(
         memory_budget=memory_budget,
         chunk_size=chunk_size,
         backend=backend,
+        stash=stash,
+        scale=scale,
+        ce_weight=ce_weight,
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
         counts=counts,
@@ -411,6 +619,7 @@ def kl_from_hidden(
         return_details=return_details,
         make_plan=make_plan,
         workspace=workspace_bytes_per_row,
+        valid_vocab_size=valid_vocab_size,
     )
 
 
@@ -439,11 +648,23 @@ def run_hidden(
     return_details: bool,
     make_plan: Callable[[float, str, int], HiddenRowPlan],
     workspace: Callable[[int], int],
+    stash: bool | None = None,
+    scale: float | Tensor | None = None,
+    ce_weight: float = 0.0,
+    shard: VocabShard | None = None,
+    valid_vocab_size: int | None = None,
 ) -> Tensor | WithDetails[LogitsDetails]:
     """Check a fused call's arguments, plan its chunks (``make_plan(1 / T, backend, rows)``;
-    ``workspace(V)``: the PyTorch path's bytes per row), run it and shape the result."""
+    ``workspace(V)``: the PyTorch path's bytes per row), run it and shape the result. With
+    ``shard``, the heads are this rank's shard of a vocabulary split over ranks: labels are
+    global ids, and every rank plans the same chunks."""
     refuse_sharded_weight(weight, hidden, "weight")
     refuse_sharded_weight(weight_ref, hidden_ref, "weight_ref")
+    if valid_vocab_size is not None:  # the heads' first V' rows, ref's logits' first columns
+        weight, bias, weight_ref, bias_ref = valid_columns(
+            valid_vocab_size, weight, bias, weight_ref, bias_ref, dim=0
+        )
+        (logits_ref,) = valid_columns(valid_vocab_size, logits_ref)
     check_plan_options(backend, memory_budget, chunk_size)
     tau = check_temperature(temperature)
     check_linear("", hidden, weight, bias)
@@ -457,7 +678,7 @@ def run_hidden(
         reduction=reduction,
         mask=mask,
         labels=labels,
-        vocab_size=v,
+        vocab_size=v if shard is None else shard.vocab_size,
         ignore_index=ignore_index,
         details=return_details,
         checks=checks,
@@ -465,12 +686,28 @@ def run_hidden(
     h = hidden.reshape(-1, hidden.shape[-1])
     resolved = resolve_backend(backend, h)
     # Per row: pi's and ref's logits and a gradient in their dtype, plus the PyTorch workspace.
-    per_row = v * max(hidden.element_size(), weight.element_size()) * 3
-    per_row += workspace(v) if resolved == "torch" else 0
+    v_plan = v if shard is None else shard.widest
+    per_row = v_plan * max(hidden.element_size(), weight.element_size()) * 3
+    per_row += workspace(v_plan) if resolved == "torch" else 0
     plan = make_plan(1.0 / tau, resolved, chunk_rows(per_row, h.device, memory_budget, chunk_size))
-    outputs = _HiddenRows.apply(
-        h, weight, bias, h_ref, w_ref, bias_ref, y, pos.labels, pos.rows, plan, checks
-    )
     pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, hidden.device, checks)
+    pos = with_result(pos, scale=scale, ce_weight=ce_weight)
+    inputs = (h, weight, bias, h_ref, w_ref, bias_ref, y)
+    grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+    if stash is True and not pos.scalar:
+        raise ValueError(
+            f"stash=True writes the head's gradients in the forward pass, which needs a scalar "
+            f"reduction (one upstream gradient for every row); reduction={reduction!r} is per "
+            "position: leave stash=None"
+        )
+    coef = None
+    if gradient_in_forward(pos, grad_wanted, stash, dtype=weight.dtype) and pos.scalar:
+        coef = value_coefficients(
+            pos, h.shape[0], torch.float64 if h.dtype == torch.float64 else torch.float32, h.device
+        )
+    labels_in = pos.labels
+    if shard is not None and labels_in is not None:
+        labels_in = shard.local_labels(labels_in, ignore_index)
+    outputs = _HiddenRows.apply(*inputs, labels_in, pos.rows, coef, plan, checks)
     checks.run()
     return finish(outputs, pos)

@@ -421,6 +421,10 @@ def multi_teacher_kl_from_hidden(
 
     See MOPD, "Multi-Teacher On-Policy Distillation" (https://arxiv.org/abs/2606.30406).
 
+    Work: one :func:`klest.kl_from_hidden` call per teacher used, on its rows only, with
+    per-position results (their logits recomputed in the backward: 6 products per chunk where a
+    single scalar-reduced call makes 4).
+
     Args:
       hidden: the student's final hidden states ``[..., H]``.
       weight: the student's LM head ``[V, H]``.

@@ -21,7 +21,7 @@ none, since each shard's gradient is exact given the merged statistics (module
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -30,15 +30,23 @@ from torch import Tensor
 from klest._checks import ValueChecks, check_logits_pair, check_temperature, resolve_validate
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails
-from klest.logits._call import LogitsDetails, finish, in_sequences, plan_for, positions
+from klest.logits._call import (
+    LogitsDetails,
+    check_valid_vocab_size,
+    finish,
+    in_sequences,
+    plan_for,
+    positions,
+)
 from klest.logits._stats import KLRowStats
 from klest.logits.from_logits import rows_kl
 
-__all__ = ["kl_from_logits_vocab_parallel"]
+__all__ = ["VocabShard", "kl_from_logits_vocab_parallel"]
 
 
-def _shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[int, int]:
-    """``(offset of this rank's shard, total V)``, checking every rank has ``n`` rows."""
+def shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[int, int, int]:
+    """``(offset of this rank's shard, total V, widest shard)``, checking every rank has ``n``
+    rows (one ``all_gather``)."""
     world = dist.get_world_size(group)
     mine = torch.tensor([n, v_local], dtype=torch.int64, device=device)
     every = [torch.empty_like(mine) for _ in range(world)]
@@ -48,7 +56,55 @@ def _shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[in
     if len(set(rows)) != 1:
         raise ValueError(f"every rank must hold the same positions: rows per rank {rows}")
     rank = dist.get_rank(group)
-    return sum(sizes[:rank]), sum(sizes)
+    return sum(sizes[:rank]), sum(sizes), max(sizes)
+
+
+def given_layout(start: object, vocab_size: object, v_local: int) -> tuple[int, int]:
+    """``(offset, V)`` from ``vocab_start_index`` and ``vocab_size``, checked locally."""
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise ValueError(f"vocab_start_index must be an int >= 0, got {start!r}")
+    if vocab_size is None:
+        raise ValueError("vocab_start_index= needs vocab_size= (the whole padded vocabulary)")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int):
+        raise TypeError(f"vocab_size must be an int, got {type(vocab_size).__name__}")
+    if start + v_local > vocab_size:
+        raise ValueError(
+            f"vocab_start_index={start} + this shard's {v_local} columns exceeds "
+            f"vocab_size={vocab_size}"
+        )
+    return start, vocab_size
+
+
+def _valid_columns(z: Tensor, y: Tensor, keep: int) -> tuple[Tensor, Tensor]:
+    """This shard's first ``keep`` columns (the rest padding). A shard of padding only stands
+    as one column at the dtype's lowest value in both models: its mass exp(lowest - lse)
+    underflows to exactly 0, so the merge gives it weight 0, its statistics stay finite, and
+    the ``where`` passes the padding a gradient of exactly 0."""
+    if keep >= z.shape[-1]:
+        return z, y
+    if keep > 0:
+        return z[:, :keep], y[:, :keep]
+    never = torch.zeros_like(z[:, :1], dtype=torch.bool)
+    lowest = torch.finfo(z.dtype).min
+    return torch.where(never, z[:, :1], lowest), torch.where(never, y[:, :1], lowest)
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """This rank's columns ``[offset, offset + size)`` of a vocabulary of ``vocab_size`` split
+    over ranks, the widest rank's ``widest`` columns."""
+
+    offset: int
+    size: int
+    vocab_size: int
+    widest: int
+
+    def local_labels(self, labels: Tensor, ignore_index: int) -> Tensor:
+        """Global ids in this shard's convention: its columns ``[0, size)``, ``-1`` ignored,
+        ``size`` another shard's token."""
+        mine = (labels >= self.offset) & (labels < self.offset + self.size)
+        other = torch.where(labels == ignore_index, -1, self.size)
+        return torch.where(mine, labels - self.offset, other)
 
 
 def _owned(owner: Tensor | None, x: Tensor) -> Tensor:
@@ -56,7 +112,7 @@ def _owned(owner: Tensor | None, x: Tensor) -> Tensor:
     return torch.zeros_like(x) if owner is None else torch.where(owner, x, 0.0)
 
 
-def _merge_shards(stats: KLRowStats, keep: Tensor | None, *, group, owner: Tensor | None):
+def merge_shards(stats: KLRowStats, keep: Tensor | None, *, group, owner: Tensor | None):
     """Whole-row statistics from every rank's shard statistics (module docstring)."""
     lse = torch.stack([stats.lse_z, stats.lse_y])
     top = lse.clone()
@@ -101,6 +157,8 @@ def kl_from_logits_vocab_parallel(
     *,
     group: dist.ProcessGroup | None = None,
     vocab_size: int | None = None,
+    vocab_start_index: int | None = None,
+    valid_vocab_size: int | None = None,
     direction: Direction = "pi||ref",
     mask: Tensor | None = None,
     reduction: Reduction = DEFAULT_REDUCTION,
@@ -130,7 +188,16 @@ def kl_from_logits_vocab_parallel(
       logits: this rank's shard of pi's logits ``[..., V_r]``.
       logits_ref: this rank's shard of ref's logits, same shape.
       group: the tensor-parallel process group (default: the world).
-      vocab_size: the full V, checked against the sum of the shard sizes when given.
+      vocab_size: the full (padded) V, checked against the sum of the shard sizes when given.
+      vocab_start_index: this rank's first global column :math:`o_r` (Megatron's
+        ``vocab_start_index``, ``rank * V_r``), with ``vocab_size``: skips the ``all_gather`` of
+        the shard sizes (and its check that every rank holds the same positions).
+      valid_vocab_size: the real vocabulary :math:`V' \le V`: the columns ``[V', V)`` are
+        padding (Megatron pads V to a multiple of the tensor-parallel size times 128) and are
+        left out: the KL, entropy and label log-probs are those of the distributions over the
+        first :math:`V'` tokens, and the padding's gradient is 0. A teacher and a student whose
+        padded sizes differ: pad the smaller one's shards to the larger layout (any values)
+        and pass the tokenizer's size here.
       direction: ``"pi||ref"`` or ``"ref||pi"``.
       mask: bool ``[...]``, identical on every rank.
       reduction: as in :func:`klest.kl_from_logits`.
@@ -165,11 +232,19 @@ def kl_from_logits_vocab_parallel(
     checks = ValueChecks(resolve_validate(validate))
     v_local = logits.shape[-1]
     z, y = logits.reshape(-1, v_local), logits_ref.reshape(-1, v_local)
-    offset, v_total = _shard_layout(z.shape[0], v_local, group, z.device)
-    if vocab_size is not None and vocab_size != v_total:
-        raise ValueError(
-            f"the shard sizes add up to V = {v_total} over the group, but vocab_size = {vocab_size}"
-        )
+    if vocab_start_index is None:
+        offset, v_total, _ = shard_layout(z.shape[0], v_local, group, z.device)
+        if vocab_size is not None and vocab_size != v_total:
+            raise ValueError(
+                f"the shard sizes add up to V = {v_total} over the group, but vocab_size = "
+                f"{vocab_size}"
+            )
+    else:
+        offset, v_total = given_layout(vocab_start_index, vocab_size, v_local)
+    if valid_vocab_size is not None:
+        v_valid = check_valid_vocab_size(valid_vocab_size, (v_total,))
+        z, y = _valid_columns(z, y, v_valid - offset)
+        v_local, v_total = z.shape[-1], v_valid
     pos = positions(
         logits.shape[:-1],
         logits.device,
@@ -184,10 +259,8 @@ def kl_from_logits_vocab_parallel(
     )
     local = owner = None
     if pos.labels is not None:
-        owner = (pos.labels >= offset) & (pos.labels < offset + v_local)
-        # This shard's convention: < 0 ignored, >= V_r another shard's token.
-        other = torch.where(pos.labels == ignore_index, -1, v_local)
-        local = torch.where(owner, pos.labels - offset, other)
+        local = VocabShard(offset, v_local, v_total, v_local).local_labels(pos.labels, ignore_index)
+        owner = (local >= 0) & (local < v_local)
     plan = plan_for(
         z,
         y,
@@ -200,7 +273,7 @@ def kl_from_logits_vocab_parallel(
     )
 
     def merge(stats: KLRowStats, keep: Tensor | None) -> KLRowStats:
-        return _merge_shards(stats, keep, group=group, owner=owner)
+        return merge_shards(stats, keep, group=group, owner=owner)
 
     outputs = rows_kl(z, y, local, pos, replace(plan, merge=merge), checks)
     pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, logits.device, checks)

@@ -32,7 +32,8 @@ from klest._checks import (
 from klest._types import Level
 from klest.aggregation import SEQUENCE_REDUCTIONS
 from klest.layout import Layout, PackedLayout, layout_of
-from klest.logits.from_logits import position_kls as position_kls_from_logits
+from klest.logits.dtensor import is_dtensor
+from klest.logits.dtensor import position_kls as position_kls_from_logits
 
 __all__ = [
     "LogRatios",
@@ -223,7 +224,7 @@ def exact_position_kls(
         )
     for name, t in (("logits", logits), ("logits_ref", logits_ref)):
         check_float_tensor(name, t, what="logits")
-        if t.shape[:-1] != logp.shape:
+        if (t.to_local() if is_dtensor(t) else t).shape[:-1] != logp.shape:  # this rank's
             raise ValueError(
                 f"{name} has shape {tuple(t.shape)}; expected logp's shape {tuple(logp.shape)} "
                 "plus a vocabulary dimension"

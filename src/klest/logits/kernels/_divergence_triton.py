@@ -24,7 +24,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from klest.logits.kernels._kl_logits_triton import store_zero_grads
+from klest.logits.kernels._kl_logits_triton import (
+    _careful_sums,
+    _fast_sums,
+    _store_stats,
+    block_sums,
+    store_zero_grads,
+)
 
 
 @triton.jit
@@ -196,4 +202,136 @@ def _bwd_block(
         tl.store(dz_ptr + row * stride_dz + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
     if NEED_DY:
         dy = scale * p * (g_p - tl.load(s_p_ptr + row))
+        tl.store(dy_ptr + row * stride_dy + offs, dy.to(dy_ptr.dtype.element_ty), mask=inside)
+
+
+@triton.jit
+def divergence_fused_kernel(
+    z_ptr, y_ptr, label_ptr, stats_ptr, mix_ptr, keep_ptr, g_ptr, dz_ptr, dy_ptr,
+    stride_z, stride_y, stride_dz, stride_dy, N, V, scale, inv_tau, w, c_q, c_p,
+    KIND: tl.constexpr, HAS_LABELS: tl.constexpr, HAS_KEEP: tl.constexpr,
+    WANT_ENT: tl.constexpr, NEED_DZ: tl.constexpr, NEED_DY: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """The divergence's forward and its gradient for per-row coefficients ``g`` (known before
+    the call) in one launch; rows taken in turn by ``num_programs`` programs. Per row: the
+    log-normalizers (the KL kernel's loops, into ``stats`` ``[7, N]`` in its layout, KLs 0),
+    then the value, ``S_q``, ``S_p`` (into ``mix`` ``[3, N]``), then ``g/tau q (G_q - S_q)`` and
+    ``g/tau p (G_p - S_p)``. ``ONE_BLOCK``: the row is read once and all three come from the
+    registers; otherwise the value and the gradient loops read it again (twice more). Rows whose
+    ``keep`` byte is 0 are not read: zeros."""
+    cols = tl.arange(0, BLOCK_V)
+    zero64 = tl.program_id(0).to(tl.int64) * 0
+    for row32 in range(tl.program_id(0), N, tl.num_programs(0)):
+        row = row32 + zero64
+        kept = True
+        if HAS_KEEP:
+            kept = tl.load(keep_ptr + row) != 0
+        if kept:
+            _fused_row(
+                z_ptr, y_ptr, label_ptr, stats_ptr, mix_ptr, g_ptr, dz_ptr, dy_ptr, row,
+                stride_z, stride_y, stride_dz, stride_dy, N, V, scale, inv_tau, w, c_q, c_p,
+                KIND, HAS_LABELS, WANT_ENT, NEED_DZ, NEED_DY, ONE_BLOCK, BLOCK_V,
+            )  # fmt: skip
+        else:
+            for k in tl.static_range(7):
+                tl.store(stats_ptr + k * N + row, 0.0)
+            for k in tl.static_range(3):
+                tl.store(mix_ptr + k * N + row, 0.0)
+            for start in range(0, V, BLOCK_V):
+                offs = start + cols
+                store_zero_grads(
+                    dz_ptr, dy_ptr, row, offs, offs < V, stride_dz, stride_dy, NEED_DZ, NEED_DY,
+                    BLOCK_V,
+                )  # fmt: skip
+
+
+@triton.jit
+def _fused_row(
+    z_ptr, y_ptr, label_ptr, stats_ptr, mix_ptr, g_ptr, dz_ptr, dy_ptr, row,
+    stride_z, stride_y, stride_dz, stride_dy, N, V, scale, inv_tau, w, c_q, c_p,
+    KIND: tl.constexpr, HAS_LABELS: tl.constexpr, WANT_ENT: tl.constexpr,
+    NEED_DZ: tl.constexpr, NEED_DY: tl.constexpr, ONE_BLOCK: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """The fused divergence kernel's work for one row."""
+    z_row = z_ptr + row * stride_z
+    y_row = y_ptr + row * stride_y
+    cols = tl.arange(0, BLOCK_V)
+    neg_inf = float("-inf")
+    if ONE_BLOCK:
+        inside = cols < V
+        zf = tl.load(z_row + cols, mask=inside, other=neg_inf).to(tl.float32)
+        yf = tl.load(y_row + cols, mask=inside, other=neg_inf).to(tl.float32)
+        m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b = block_sums(zf, yf, scale)
+    else:
+        m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b, ok = _fast_sums(
+            z_row, y_row, V, scale, False, False, WANT_ENT, False, BLOCK_V
+        )
+        if not ok:
+            m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b, ok = _fast_sums(
+                z_row, y_row, V, scale, False, False, WANT_ENT, True, BLOCK_V
+            )
+            if not ok:
+                m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b = _careful_sums(
+                    z_row, y_row, V, scale, BLOCK_V
+                )
+    lse_a, lse_b, _, _, _ = _store_stats(
+        z_row, y_row, label_ptr, stats_ptr, row, N, V, scale, m_a, m_b, sum_a, sum_b, w_a,
+        tot_a, tot_b, HAS_LABELS, False, False, WANT_ENT,
+    )  # fmt: skip
+    if ONE_BLOCK:
+        q, p, term, g_q, g_p = _elements(zf, yf, lse_a, lse_b, inv_tau, w, c_q, c_p, KIND)
+        value = tl.sum(term, axis=0)
+        s_q = tl.sum(q * g_q, axis=0)
+        s_p = tl.sum(p * g_p, axis=0)
+    else:
+        acc_v = tl.zeros([BLOCK_V], dtype=tl.float32)
+        acc_q = tl.zeros([BLOCK_V], dtype=tl.float32)
+        acc_p = tl.zeros([BLOCK_V], dtype=tl.float32)
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            inside = offs < V
+            zb = tl.load(z_row + offs, mask=inside, other=neg_inf).to(tl.float32)
+            yb = tl.load(y_row + offs, mask=inside, other=neg_inf).to(tl.float32)
+            q, p, term, g_q, g_p = _elements(zb, yb, lse_a, lse_b, inv_tau, w, c_q, c_p, KIND)
+            acc_v += term
+            acc_q += q * g_q
+            acc_p += p * g_p
+        value = tl.sum(acc_v, axis=0)
+        s_q = tl.sum(acc_q, axis=0)
+        s_p = tl.sum(acc_p, axis=0)
+    tl.store(mix_ptr + row, tl.where(value < 0.0, 0.0, value))
+    tl.store(mix_ptr + N + row, s_q)
+    tl.store(mix_ptr + 2 * N + row, s_p)
+    coef = tl.load(g_ptr + row) * inv_tau
+    if ONE_BLOCK:
+        _store_grads(
+            dz_ptr, dy_ptr, row, cols, inside, stride_dz, stride_dy, coef, q, p, g_q, g_p, s_q,
+            s_p, NEED_DZ, NEED_DY,
+        )  # fmt: skip
+    else:
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            inside = offs < V
+            zb = tl.load(z_row + offs, mask=inside, other=neg_inf).to(tl.float32)
+            yb = tl.load(y_row + offs, mask=inside, other=neg_inf).to(tl.float32)
+            q, p, term, g_q, g_p = _elements(zb, yb, lse_a, lse_b, inv_tau, w, c_q, c_p, KIND)
+            _store_grads(
+                dz_ptr, dy_ptr, row, offs, inside, stride_dz, stride_dy, coef, q, p, g_q, g_p,
+                s_q, s_p, NEED_DZ, NEED_DY,
+            )  # fmt: skip
+
+
+@triton.jit
+def _store_grads(
+    dz_ptr, dy_ptr, row, offs, inside, stride_dz, stride_dy, coef, q, p, g_q, g_p, s_q, s_p,
+    NEED_DZ: tl.constexpr, NEED_DY: tl.constexpr,
+):  # fmt: skip
+    """``coef q (G_q - S_q)`` and ``coef p (G_p - S_p)`` of one block, stored."""
+    if NEED_DZ:
+        dz = coef * q * (g_q - s_q)
+        tl.store(dz_ptr + row * stride_dz + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
+    if NEED_DY:
+        dy = coef * p * (g_p - s_p)
         tl.store(dy_ptr + row * stride_dy + offs, dy.to(dy_ptr.dtype.element_ty), mask=inside)

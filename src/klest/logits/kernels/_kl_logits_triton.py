@@ -314,7 +314,20 @@ def _fwd_row(
             )
     if RECORD_PATH:
         tl.store(path_ptr + row, (~ok).to(tl.int32) + (~ok_clamped).to(tl.int32))
+    _store_stats(
+        z_row, y_row, label_ptr, out_ptr, row, N, V, scale, m_a, m_b, sum_a, sum_b, w_a, tot_a,
+        tot_b, HAS_LABELS, WANT_AB, WANT_BA, WANT_ENT,
+    )  # fmt: skip
 
+
+@triton.jit
+def _store_stats(
+    z_row, y_row, label_ptr, out_ptr, row, N, V, scale, m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b,
+    HAS_LABELS: tl.constexpr, WANT_AB: tl.constexpr, WANT_BA: tl.constexpr,
+    WANT_ENT: tl.constexpr,
+):  # fmt: skip
+    """The row's seven statistics from its sums (module docstring), stored in ``out[:, row]``;
+    returned as ``(lse_a, lse_b, kl_ab, kl_ba, entropy)`` (the ones not wanted as 0)."""
     lg_a = tl.log2(sum_a)
     lg_b = tl.log2(sum_b)
     lse_a = LN2 * (m_a + lg_a)
@@ -336,9 +349,12 @@ def _fwd_row(
     entropy = LN2 * (lg_a - w_a / sum_a)
     entropy = tl.where(entropy < 0.0, 0.0, entropy)
     zero = tl.zeros_like(lse_a)
-    tl.store(out_ptr + 2 * N + row, tl.where(WANT_AB, kl_ab, zero))
-    tl.store(out_ptr + 3 * N + row, tl.where(WANT_BA, kl_ba, zero))
-    tl.store(out_ptr + 4 * N + row, tl.where(WANT_ENT, entropy, zero))
+    kl_ab = tl.where(WANT_AB, kl_ab, zero)
+    kl_ba = tl.where(WANT_BA, kl_ba, zero)
+    entropy = tl.where(WANT_ENT, entropy, zero)
+    tl.store(out_ptr + 2 * N + row, kl_ab)
+    tl.store(out_ptr + 3 * N + row, kl_ba)
+    tl.store(out_ptr + 4 * N + row, entropy)
     if HAS_LABELS:
         label = tl.load(label_ptr + row)
         valid = (label >= 0) & (label < V)
@@ -349,6 +365,7 @@ def _fwd_row(
         logp_ref = tl.where(valid, LN2 * ((b2_l - m_b) - lg_b), 0.0)
         tl.store(out_ptr + 5 * N + row, logp)
         tl.store(out_ptr + 6 * N + row, logp_ref)
+    return lse_a, lse_b, kl_ab, kl_ba, entropy
 
 
 @triton.jit
@@ -397,12 +414,23 @@ def kl_logits_bwd_kernel(
     if HAS_KEEP:
         kept = tl.load(keep_ptr + row) != 0
     if kept:
-        _bwd_block(
-            z_ptr, y_ptr, label_ptr, lse_a_ptr, lse_b_ptr, kl_ab_ptr, kl_ba_ptr, ent_ptr,
-            g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr, dz_ptr, dy_ptr, row, offs, inside,
-            stride_z, stride_y, stride_dz, stride_dy, scale, inv_tau,
+        neg_inf = float("-inf")
+        zf = tl.zeros([BLOCK_V], dtype=tl.float32)
+        yf = tl.zeros([BLOCK_V], dtype=tl.float32)
+        if USE_Z:
+            zf = tl.load(z_ptr + row * stride_z + offs, mask=inside, other=neg_inf).to(tl.float32)
+        if USE_Y:
+            yf = tl.load(y_ptr + row * stride_y + offs, mask=inside, other=neg_inf).to(tl.float32)
+        dz, dy = grad_values(
+            zf, yf, offs, row, label_ptr, tl.load(lse_a_ptr + row), tl.load(lse_b_ptr + row),
+            tl.load(kl_ab_ptr + row), tl.load(kl_ba_ptr + row), tl.load(ent_ptr + row),
+            g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr, scale, inv_tau,
             HAS_G1, HAS_G2, HAS_G3, HAS_G4, HAS_G5, NEED_DZ, NEED_DY, USE_Z, USE_Y, BLOCK_V,
         )  # fmt: skip
+        if NEED_DZ:
+            tl.store(dz_ptr + row * stride_dz + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
+        if NEED_DY:
+            tl.store(dy_ptr + row * stride_dy + offs, dy.to(dy_ptr.dtype.element_ty), mask=inside)
     else:
         store_zero_grads(
             dz_ptr, dy_ptr, row, offs, inside, stride_dz, stride_dy, NEED_DZ, NEED_DY, BLOCK_V
@@ -410,35 +438,36 @@ def kl_logits_bwd_kernel(
 
 
 @triton.jit
-def _bwd_block(
-    z_ptr, y_ptr, label_ptr, lse_a_ptr, lse_b_ptr, kl_ab_ptr, kl_ba_ptr, ent_ptr,
-    g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr, dz_ptr, dy_ptr, row, offs, inside,
-    stride_z, stride_y, stride_dz, stride_dy, scale, inv_tau,
+def grad_values(
+    zf, yf, offs, row, label_ptr, lse_a, lse_b, kl_ab, kl_ba, ent,
+    g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr, scale, inv_tau,
     HAS_G1: tl.constexpr, HAS_G2: tl.constexpr, HAS_G3: tl.constexpr, HAS_G4: tl.constexpr,
     HAS_G5: tl.constexpr, NEED_DZ: tl.constexpr, NEED_DY: tl.constexpr, USE_Z: tl.constexpr,
     USE_Y: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """The backward kernel's work for one block of one row."""
+    """``(dz, dy)`` of one block (float32; module docstring) from its logits ``zf``, ``yf``
+    (``-inf`` past ``V``; either unused unless ``USE_Z`` / ``USE_Y``), the row's statistics and
+    the row's upstream gradients ``g*`` (read at ``row``). Zeros where not ``NEED_*``."""
     neg_inf = float("-inf")
     big = 3.0e38
-
-    lse_a = tl.load(lse_a_ptr + row)
-    lse_b = tl.load(lse_b_ptr + row)
+    q = tl.zeros([BLOCK_V], dtype=tl.float32)
+    p = tl.zeros([BLOCK_V], dtype=tl.float32)
+    la2 = tl.zeros([BLOCK_V], dtype=tl.float32)
+    d = tl.zeros([BLOCK_V], dtype=tl.float32)
+    d_lse = 0.0
+    fin_a = zf > neg_inf
+    fin_b = yf > neg_inf
     if USE_Z:
-        zf = tl.load(z_ptr + row * stride_z + offs, mask=inside, other=neg_inf).to(tl.float32)
-        a2 = zf * scale
-        fin_a = a2 > neg_inf
-        la2 = a2 - lse_a * LOG2E  # log2 q
+        la2 = zf * scale - lse_a * LOG2E  # log2 q
         q = tl.exp2(la2)
     if USE_Y:
-        yf = tl.load(y_ptr + row * stride_y + offs, mask=inside, other=neg_inf).to(tl.float32)
-        b2 = yf * scale
-        fin_b = b2 > neg_inf
-        p = tl.exp2(b2 - lse_b * LOG2E)
+        p = tl.exp2(yf * scale - lse_b * LOG2E)
     if USE_Z and USE_Y:
         # a2 - b2, kept finite so that a zero coefficient times it is 0 on a row whose KL is +inf.
         d = tl.minimum(tl.maximum((zf - yf) * scale, -big), big)
         d_lse = (lse_a - lse_b) * LOG2E
+    counted = False
+    onehot = tl.zeros([BLOCK_V], dtype=tl.float32)
     if HAS_G4 or HAS_G5:
         label = tl.load(label_ptr + row)
         # label < 0: ignored, no gradient. label >= V: a token of another vocabulary shard, whose
@@ -446,18 +475,16 @@ def _bwd_block(
         counted = label >= 0
         onehot = (offs == label).to(tl.float32)
 
+    dz = tl.zeros([BLOCK_V], dtype=tl.float32)
     if NEED_DZ:
-        dz = tl.zeros([BLOCK_V], dtype=tl.float32)
         # Everything multiplied by q, in log2 units (times ln2 / tau below).
         bracket = tl.zeros([BLOCK_V], dtype=tl.float32)
         if HAS_G1:
             g1 = tl.load(g1_ptr + row)
-            kl_ab = tl.load(kl_ab_ptr + row)
             kl_ab_term = tl.where(g1 != 0.0, d_lse + kl_ab * LOG2E, 0.0)
             bracket += g1 * (d - kl_ab_term)
         if HAS_G3:
             g3 = tl.load(g3_ptr + row)
-            ent = tl.load(ent_ptr + row)
             bracket -= g3 * (la2 + ent * LOG2E)
         if HAS_G1 or HAS_G3:
             dz += LN2 * tl.where(fin_a, q * bracket, 0.0)
@@ -468,20 +495,152 @@ def _bwd_block(
             g4 = tl.where(counted, tl.load(g4_ptr + row), 0.0)
             dz += g4 * (onehot - q)
         dz = dz * inv_tau
-        tl.store(dz_ptr + row * stride_dz + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
 
+    dy = tl.zeros([BLOCK_V], dtype=tl.float32)
     if NEED_DY:
-        dy = tl.zeros([BLOCK_V], dtype=tl.float32)
         if HAS_G1:
             g1 = tl.load(g1_ptr + row)
             dy += g1 * (p - q)
         if HAS_G2:
             g2 = tl.load(g2_ptr + row)
-            kl_ba = tl.load(kl_ba_ptr + row)
             kl_ba_term = tl.where(g2 != 0.0, kl_ba * LOG2E - d_lse, 0.0)
             dy += (LN2 * g2) * tl.where(fin_b, p * (-d - kl_ba_term), 0.0)
         if HAS_G5:
             g5 = tl.where(counted, tl.load(g5_ptr + row), 0.0)
             dy += g5 * (onehot - p)
         dy = dy * inv_tau
-        tl.store(dy_ptr + row * stride_dy + offs, dy.to(dy_ptr.dtype.element_ty), mask=inside)
+    return dz, dy
+
+
+# -- forward with the gradient -------------------------------------------------------------------
+
+
+@triton.jit
+def block_sums(zf, yf, scale):
+    """The sums of a row held in one block (``zf``, ``yf``: ``-inf`` past ``V``) against its own
+    maximum, ``-inf`` entries selected out: :func:`_careful_sums` in one step, same returns."""
+    neg_inf = float("-inf")
+    a2 = zf * scale
+    b2 = yf * scale
+    fin_a = a2 > neg_inf
+    fin_b = b2 > neg_inf
+    m_a = tl.max(a2, axis=0)
+    m_b = tl.max(b2, axis=0)
+    shift_a = tl.where(m_a > neg_inf, m_a, 0.0)
+    shift_b = tl.where(m_b > neg_inf, m_b, 0.0)
+    e_a = tl.exp2(a2 - shift_a)
+    e_b = tl.exp2(b2 - shift_b)
+    d = (zf - yf) * scale
+    w_a = tl.sum(tl.where(fin_a, e_a * (a2 - shift_a), 0.0), axis=0)
+    t_a = tl.sum(tl.where(fin_a, e_a * d, 0.0), axis=0)
+    t_b = -tl.sum(tl.where(fin_b, e_b * d, 0.0), axis=0)
+    return m_a, m_b, tl.sum(e_a, axis=0), tl.sum(e_b, axis=0), w_a, t_a, t_b
+
+
+@triton.jit
+def kl_logits_fused_kernel(
+    z_ptr, y_ptr, label_ptr, out_ptr, keep_ptr, g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr,
+    dz_ptr, dy_ptr, stride_z, stride_y, stride_dz, stride_dy, N, V, scale, inv_tau,
+    HAS_LABELS: tl.constexpr, HAS_KEEP: tl.constexpr, WANT_AB: tl.constexpr,
+    WANT_BA: tl.constexpr, WANT_ENT: tl.constexpr, HAS_G1: tl.constexpr, HAS_G2: tl.constexpr,
+    HAS_G3: tl.constexpr, HAS_G4: tl.constexpr, HAS_G5: tl.constexpr, NEED_DZ: tl.constexpr,
+    NEED_DY: tl.constexpr, ONE_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """The forward kernel and the gradient of ``sum_n g1 KL(q||p) + g2 KL(p||q) + g3 H +
+    g4 log q_l + g5 log p_l`` (``g*``: per-row coefficients, known before the call) in one
+    launch. Rows are taken in turn by ``num_programs`` programs (``row = pid, pid + P, ...``):
+    each row's statistics (as :func:`kl_logits_fwd_kernel`, into ``out`` ``[7, N]``), then its
+    gradients (as :func:`kl_logits_bwd_kernel`). ``ONE_BLOCK`` (``V <= BLOCK_V``): the row is
+    read once and both come from the registers; otherwise the gradient loop reads the row's
+    blocks again right after the statistics loop (a read that a cache holding the rows in
+    flight serves). Rows whose ``keep`` byte is 0 are not read: zero statistics and gradients."""
+    cols = tl.arange(0, BLOCK_V)
+    zero64 = tl.program_id(0).to(tl.int64) * 0
+    for row32 in range(tl.program_id(0), N, tl.num_programs(0)):
+        row = row32 + zero64  # 64-bit offsets (row * stride can pass 2^31)
+        kept = True
+        if HAS_KEEP:
+            kept = tl.load(keep_ptr + row) != 0
+        if kept:
+            _fused_row(
+                z_ptr, y_ptr, label_ptr, out_ptr, g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr, dz_ptr,
+                dy_ptr, row, stride_z, stride_y, stride_dz, stride_dy, N, V, scale, inv_tau,
+                HAS_LABELS, WANT_AB, WANT_BA, WANT_ENT, HAS_G1, HAS_G2, HAS_G3, HAS_G4, HAS_G5,
+                NEED_DZ, NEED_DY, ONE_BLOCK, BLOCK_V,
+            )  # fmt: skip
+        else:
+            for k in tl.static_range(7):
+                tl.store(out_ptr + k * N + row, 0.0)
+            for start in range(0, V, BLOCK_V):
+                offs = start + cols
+                store_zero_grads(
+                    dz_ptr, dy_ptr, row, offs, offs < V, stride_dz, stride_dy, NEED_DZ, NEED_DY,
+                    BLOCK_V,
+                )  # fmt: skip
+
+
+@triton.jit
+def _fused_row(
+    z_ptr, y_ptr, label_ptr, out_ptr, g1_ptr, g2_ptr, g3_ptr, g4_ptr, g5_ptr, dz_ptr, dy_ptr,
+    row, stride_z, stride_y, stride_dz, stride_dy, N, V, scale, inv_tau,
+    HAS_LABELS: tl.constexpr, WANT_AB: tl.constexpr, WANT_BA: tl.constexpr,
+    WANT_ENT: tl.constexpr, HAS_G1: tl.constexpr, HAS_G2: tl.constexpr, HAS_G3: tl.constexpr,
+    HAS_G4: tl.constexpr, HAS_G5: tl.constexpr, NEED_DZ: tl.constexpr, NEED_DY: tl.constexpr,
+    ONE_BLOCK: tl.constexpr, BLOCK_V: tl.constexpr,
+):  # fmt: skip
+    """The fused kernel's work for one row."""
+    z_row = z_ptr + row * stride_z
+    y_row = y_ptr + row * stride_y
+    dz_row = dz_ptr + row * stride_dz
+    dy_row = dy_ptr + row * stride_dy
+    cols = tl.arange(0, BLOCK_V)
+    neg_inf = float("-inf")
+    if ONE_BLOCK:
+        inside = cols < V
+        zf = tl.load(z_row + cols, mask=inside, other=neg_inf).to(tl.float32)
+        yf = tl.load(y_row + cols, mask=inside, other=neg_inf).to(tl.float32)
+        m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b = block_sums(zf, yf, scale)
+    else:
+        m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b, ok = _fast_sums(
+            z_row, y_row, V, scale, WANT_AB, WANT_BA, WANT_ENT, False, BLOCK_V
+        )
+        if not ok:
+            m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b, ok = _fast_sums(
+                z_row, y_row, V, scale, WANT_AB, WANT_BA, WANT_ENT, True, BLOCK_V
+            )
+            if not ok:
+                m_a, m_b, sum_a, sum_b, w_a, tot_a, tot_b = _careful_sums(
+                    z_row, y_row, V, scale, BLOCK_V
+                )
+    # (The launcher asks for every sum that a coefficient's gradient needs.)
+    lse_a, lse_b, kl_ab, kl_ba, ent = _store_stats(
+        z_row, y_row, label_ptr, out_ptr, row, N, V, scale, m_a, m_b, sum_a, sum_b, w_a, tot_a,
+        tot_b, HAS_LABELS, WANT_AB, WANT_BA, WANT_ENT,
+    )  # fmt: skip
+    use_z = NEED_DZ or (NEED_DY and (HAS_G1 or HAS_G2))
+    use_y = NEED_DY or (NEED_DZ and (HAS_G1 or HAS_G2))
+    if ONE_BLOCK:
+        dz, dy = grad_values(
+            zf, yf, cols, row, label_ptr, lse_a, lse_b, kl_ab, kl_ba, ent, g1_ptr, g2_ptr,
+            g3_ptr, g4_ptr, g5_ptr, scale, inv_tau, HAS_G1, HAS_G2, HAS_G3, HAS_G4, HAS_G5,
+            NEED_DZ, NEED_DY, use_z, use_y, BLOCK_V,
+        )  # fmt: skip
+        if NEED_DZ:
+            tl.store(dz_row + cols, dz.to(dz_ptr.dtype.element_ty), mask=inside)
+        if NEED_DY:
+            tl.store(dy_row + cols, dy.to(dy_ptr.dtype.element_ty), mask=inside)
+    else:
+        for start in range(0, V, BLOCK_V):
+            offs = start + cols
+            inside = offs < V
+            zf = tl.load(z_row + offs, mask=inside, other=neg_inf).to(tl.float32)
+            yf = tl.load(y_row + offs, mask=inside, other=neg_inf).to(tl.float32)
+            dz, dy = grad_values(
+                zf, yf, offs, row, label_ptr, lse_a, lse_b, kl_ab, kl_ba, ent, g1_ptr, g2_ptr,
+                g3_ptr, g4_ptr, g5_ptr, scale, inv_tau, HAS_G1, HAS_G2, HAS_G3, HAS_G4, HAS_G5,
+                NEED_DZ, NEED_DY, use_z, use_y, BLOCK_V,
+            )  # fmt: skip
+            if NEED_DZ:
+                tl.store(dz_row + offs, dz.to(dz_ptr.dtype.element_ty), mask=inside)
+            if NEED_DY:
+                tl.store(dy_row + offs, dy.to(dy_ptr.dtype.element_ty), mask=inside)

@@ -16,12 +16,16 @@ from klest._checks import check_logits_pair
 
 __all__ = [
     "MAX_GRID_Y",
+    "ONE_BLOCK_MAX",
     "cdiv",
     "check_device",
+    "check_grad_buffer",
     "check_keep",
     "check_logits",
+    "check_programs",
     "interpreting",
     "resolve_block_v",
+    "resolve_fused_launch",
     "resolve_num_warps",
     "triton_importable",
 ]
@@ -39,6 +43,9 @@ _MAX_BLOCK_V = 65536
 # 4 warps (benchmarks/README.md has the numbers).
 _DEFAULT_MAX_BLOCK_V = 1024
 MAX_GRID_Y = 65535  # CUDA's limit on the second grid dimension (the backward's vocabulary blocks)
+ONE_BLOCK_MAX = 16384
+"""The largest row the fused kernels hold in one block by default (read once: 16 float32 values
+per thread and tensor at 32 warps); longer rows are read in blocks of 1024, twice."""
 
 
 def interpreting() -> bool:
@@ -126,3 +133,53 @@ def resolve_num_warps(num_warps: object, block_v: int) -> int:
     ):
         raise ValueError(f"num_warps must be a power of two in [1, 32], got {num_warps!r}")
     return num_warps
+
+
+def resolve_fused_launch(block_v: object, num_warps: object, v: int) -> tuple[int, int, bool]:
+    """``(block, warps, one_block)`` of a fused kernel (statistics and gradient in one launch):
+    the whole row in one block when ``next_pow2(V) <= ONE_BLOCK_MAX`` (or ``block_v >= V``),
+    with ``block / 512`` warps (1 to 32); else blocks of 1024 with 4 warps, as the forward."""
+    whole = max(_MIN_BLOCK_V, 1 << (v - 1).bit_length())
+    if block_v is None:
+        block = whole if whole <= ONE_BLOCK_MAX else _DEFAULT_MAX_BLOCK_V
+    else:
+        block = resolve_block_v(block_v, v)
+    one_block = block >= v
+    if num_warps is None and one_block:
+        return block, max(1, min(32, block // 512)), True
+    return block, resolve_num_warps(num_warps, block), one_block
+
+
+def check_programs(programs: object, n: int) -> int:
+    """The fused kernels' number of programs: given (an int >= 1, at most ``n``), else ``n``
+    (one row each)."""
+    if programs is None:
+        return max(n, 1)
+    if isinstance(programs, bool) or not isinstance(programs, int) or programs < 1:
+        raise ValueError(f"programs must be an int >= 1, got {programs!r}")
+    return min(programs, max(n, 1))
+
+
+def check_grad_buffer(name: str, buf: object, like: Tensor, others: tuple[Tensor, ...]) -> Tensor:
+    """An output buffer for the gradient of ``like``: its shape and device, a kernel dtype,
+    contiguous rows, and no memory shared with the tensors the kernel reads (``others``) but
+    ``like`` itself (whose rows it reads before writing them)."""
+    if not isinstance(buf, Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(buf).__name__}")
+    if buf.shape != like.shape or buf.device != like.device or buf.dtype not in _KERNEL_DTYPES:
+        raise ValueError(
+            f"{name} must have shape {tuple(like.shape)} on {like.device} in float32 / bfloat16 /"
+            f" float16, got {tuple(buf.shape)} {buf.dtype} on {buf.device}"
+        )
+    if buf.ndim == 2 and buf.shape[1] > 1 and buf.stride(1) != 1:
+        raise ValueError(f"{name} must have contiguous rows (stride 1 along V)")
+    if buf.numel():
+        ptr = buf.untyped_storage().data_ptr()
+        sharing = [o for o in others if o.numel() and o.untyped_storage().data_ptr() == ptr]
+        is_like = buf.data_ptr() == like.data_ptr() and buf.stride() == like.stride()
+        if any(o is not like for o in sharing) or (sharing and not is_like):
+            raise ValueError(
+                f"{name} shares memory with an input of the kernel other than the one whose "
+                "gradient it receives (written over its own logits, it must be exactly them)"
+            )
+    return buf

@@ -20,23 +20,28 @@ contract is that of :mod:`klest.logits.kernels.kl_logits` (finite log-normalizer
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
-from klest._checks import check_row_vector, check_temperature
+from klest._checks import check_int_ids, check_row_vector, check_temperature
 from klest.logits._stats import Divergence
 from klest.logits.kernels._launch import (
     MAX_GRID_Y,
     cdiv,
     check_device,
+    check_grad_buffer,
     check_keep,
     check_logits,
+    check_programs,
     resolve_block_v,
+    resolve_fused_launch,
     resolve_num_warps,
     triton_importable,
 )
 
-__all__ = ["divergence_backward", "divergence_forward"]
+__all__ = ["divergence_backward", "divergence_forward", "divergence_fused"]
 
 _KINDS = {"mixture": 0, "tv": 1}
 
@@ -192,3 +197,96 @@ def divergence_backward(
             BLOCK_V=bv, num_warps=resolve_num_warps(num_warps, bv),
         )  # fmt: skip
     return dz, dy
+
+
+def divergence_fused(
+    z: Tensor,
+    y: Tensor,
+    grad: Tensor,
+    div: Divergence,
+    *,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    want_entropy: bool = False,
+    need_grad_z: bool = True,
+    need_grad_y: bool = False,
+    dz: Tensor | None = None,
+    dy: Tensor | None = None,
+    keep: Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    programs: int | None = None,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+    r"""The rows' log-normalizers, :func:`divergence_forward` and :func:`divergence_backward`
+    in one launch, for upstream gradients ``grad`` known before the call.
+
+    Memory traffic: a row of at most ``block_v`` entries (by default ``V <= 16384``) is read
+    once (2 passes over ``[N, V]`` and one write of each gradient); a longer row three times in
+    a row (log-normalizers, value, gradient), the later reads from a cache that holds the rows
+    in flight where it does.
+
+    Args:
+      z: pi's logits ``[N, V]``, as for :func:`divergence_forward`.
+      y: ref's logits.
+      grad: :math:`g`, the upstream gradient per row, float ``[N]``.
+      div: which divergence.
+      temperature: :math:`\tau > 0`.
+      labels: optional int ``[N]`` token ids, as for
+        :func:`~klest.logits.kernels.kl_logits_forward` (their log-probs are returned).
+      want_entropy: also pi's entropy.
+      need_grad_z: write the gradient w.r.t. ``z``.
+      need_grad_y: write the gradient w.r.t. ``y``.
+      dz: where to write the gradient w.r.t. ``z`` (e.g. ``z`` itself); default a new tensor.
+      dy: the same for ``y``.
+      keep: as in :func:`divergence_forward`.
+      block_v: vocabulary block (power of two); ``>= V`` reads each row once.
+      num_warps: warps per program.
+      programs: programs launched (each takes rows ``pid, pid + programs, ...``); default one
+        per row.
+
+    Returns:
+      ``(stats, mix, dz, dy)``: float32 ``[7, N]`` in the layout of
+      :class:`~klest.logits.KLRowStats` (``lse_z``, ``lse_y``, the KLs 0, the entropy (0 unless
+      asked for), the label log-probs), float32 ``[3, N]`` of :func:`divergence_forward`, and
+      the gradients (None where not needed).
+    """
+    z, y = check_logits(z, y)
+    tau = check_temperature(temperature)
+    n, v = z.shape
+    dev = z.device
+    grad = check_row_vector("grad", grad, n, dev)
+    if labels is not None:
+        labels = check_int_ids("labels", labels, torch.Size((n,)), dev, of="the rows of z")
+        labels = labels.to(torch.int64).contiguous()
+    keep = check_keep(keep, n, dev)
+    consts = _constants(div)
+    bv, warps, one_block = resolve_fused_launch(block_v, num_warps, v)
+    grid = check_programs(programs, n)
+    if need_grad_z:
+        dz = (
+            torch.empty_like(z, memory_format=torch.contiguous_format)
+            if dz is None
+            else check_grad_buffer("dz", dz, z, (z, y))
+        )
+    if need_grad_y:
+        dy = (
+            torch.empty_like(y, memory_format=torch.contiguous_format)
+            if dy is None
+            else check_grad_buffer("dy", dy, y, (z, y))
+        )
+    stats = torch.zeros(7, n, dtype=torch.float32, device=dev)
+    mix = torch.zeros(3, n, dtype=torch.float32, device=dev)
+    if n > 0:
+        check_device(z)
+        dummy = stats
+        _divergence_kernels().divergence_fused_kernel[(grid,)](
+            z, y, dummy if labels is None else labels, stats, mix,
+            dummy if keep is None else keep, grad,
+            dz if need_grad_z else dummy, dy if need_grad_y else dummy,
+            z.stride(0), y.stride(0), dz.stride(0) if need_grad_z else v,
+            dy.stride(0) if need_grad_y else v, n, v, math.log2(math.e) / tau, 1.0 / tau,
+            **consts, HAS_LABELS=labels is not None, HAS_KEEP=keep is not None,
+            WANT_ENT=bool(want_entropy), NEED_DZ=bool(need_grad_z), NEED_DY=bool(need_grad_y),
+            ONE_BLOCK=one_block, BLOCK_V=bv, num_warps=warps,
+        )  # fmt: skip
+    return stats, mix, (dz if need_grad_z else None), (dy if need_grad_y else None)

@@ -48,15 +48,26 @@ from klest.logits.kernels._launch import (
     MAX_GRID_Y,
     cdiv,
     check_device,
+    check_grad_buffer,
     check_keep,
     check_logits,
+    check_programs,
     interpreting,
     resolve_block_v,
+    resolve_fused_launch,
     resolve_num_warps,
     triton_importable,
 )
 
-__all__ = ["kl_logits_backward", "kl_logits_forward", "triton_available"]
+__all__ = ["kl_logits_backward", "kl_logits_forward", "kl_logits_fused", "triton_available"]
+
+_GRAD_NAMES = (
+    "grad_kl_pi_ref",
+    "grad_kl_ref_pi",
+    "grad_entropy",
+    "grad_logp_label",
+    "grad_logp_ref_label",
+)
 
 
 def triton_available() -> bool:
@@ -262,22 +273,10 @@ def kl_logits_backward(
     kl_ab = check_row_vector("stats.kl_pi_ref", stats.kl_pi_ref, n, dev)
     kl_ba = check_row_vector("stats.kl_ref_pi", stats.kl_ref_pi, n, dev)
     ent = check_row_vector("stats.entropy", stats.entropy, n, dev)
-    names = (
-        "grad_kl_pi_ref",
-        "grad_kl_ref_pi",
-        "grad_entropy",
-        "grad_logp_label",
-        "grad_logp_ref_label",
-    )
     given = (grad_kl_pi_ref, grad_kl_ref_pi, grad_entropy, grad_logp_label, grad_logp_ref_label)
-    g = [
-        None if t is None else check_row_vector(nm, t, n, dev)
-        for nm, t in zip(names, given, strict=True)
-    ]
+    g = _check_grads(given, labels, n, dev)
     g1, g2, g3, g4, g5 = g
     keep = check_keep(keep, n, dev)
-    if labels is None and (g4 is not None or g5 is not None):
-        raise ValueError("grad_logp_label / grad_logp_ref_label need the labels they refer to")
 
     run_dz = bool(need_grad_z) and any(t is not None for t in (g1, g2, g3, g4))
     run_dy = bool(need_grad_y) and any(t is not None for t in (g1, g2, g5))
@@ -330,3 +329,138 @@ def kl_logits_backward(
     if need_grad_y and dy is None:
         dy = torch.zeros_like(y, memory_format=torch.contiguous_format)
     return (dz if need_grad_z else None), (dy if need_grad_y else None)
+
+
+def _check_grads(
+    given: tuple[Tensor | None, ...], labels: Tensor | None, n: int, dev: torch.device
+) -> list[Tensor | None]:
+    g = [
+        None if t is None else check_row_vector(nm, t, n, dev)
+        for nm, t in zip(_GRAD_NAMES, given, strict=True)
+    ]
+    if labels is None and (g[3] is not None or g[4] is not None):
+        raise ValueError("grad_logp_label / grad_logp_ref_label need the labels they refer to")
+    return g
+
+
+def kl_logits_fused(
+    z: Tensor,
+    y: Tensor,
+    *,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    grad_kl_pi_ref: Tensor | None = None,
+    grad_kl_ref_pi: Tensor | None = None,
+    grad_entropy: Tensor | None = None,
+    grad_logp_label: Tensor | None = None,
+    grad_logp_ref_label: Tensor | None = None,
+    need_grad_z: bool = True,
+    need_grad_y: bool = False,
+    want_kl_pi_ref: bool = True,
+    want_kl_ref_pi: bool = True,
+    want_entropy: bool = True,
+    dz: Tensor | None = None,
+    dy: Tensor | None = None,
+    keep: Tensor | None = None,
+    block_v: int | None = None,
+    num_warps: int | None = None,
+    programs: int | None = None,
+) -> tuple[KLRowStats, Tensor | None, Tensor | None]:
+    r""":func:`kl_logits_forward` and :func:`kl_logits_backward` in one launch, for upstream
+    gradients known before the call (a reduction's weights, a loss's coefficients).
+
+    Per row: the statistics of :func:`kl_logits_forward`, then the gradients of
+    :math:`\sum_n [g_1 KL(\pi\|ref) + g_2 KL(ref\|\pi) + g_3 H + g_4 \log q_l +
+    g_5 \log p_l]_n` with respect to ``z`` and ``y`` (the formulas of
+    :func:`kl_logits_backward`), from the statistics the row just got. Memory traffic: a row of
+    at most ``block_v`` entries (by default ``V <= 16384``) is read once, both results from the
+    same registers (2 passes over ``[N, V]`` plus one write of each gradient); a longer row's
+    blocks are read again right after its statistics (from a cache that holds the rows in
+    flight, else from memory: ``programs`` sets how many rows are in flight). The result is that
+    of the two kernels, up to float32 rounding (one-block rows take the running-maximum sums).
+
+    Args:
+      z: pi's logits ``[N, V]``, as for :func:`kl_logits_forward`.
+      y: ref's logits.
+      temperature: :math:`\tau > 0`.
+      labels: as for :func:`kl_logits_forward`.
+      grad_kl_pi_ref: :math:`g_1` per row, float ``[N]``, or None; a zero drops its term
+        exactly (even where that KL is ``+inf``).
+      grad_kl_ref_pi: :math:`g_2`.
+      grad_entropy: :math:`g_3`.
+      grad_logp_label: :math:`g_4` (needs ``labels``).
+      grad_logp_ref_label: :math:`g_5` (needs ``labels``).
+      need_grad_z: write the gradient w.r.t. ``z``.
+      need_grad_y: write the gradient w.r.t. ``y``.
+      want_kl_pi_ref: as for :func:`kl_logits_forward` (computed anyway when ``g_1`` or the
+        gradient needs it).
+      want_kl_ref_pi: as for :func:`kl_logits_forward`.
+      want_entropy: as for :func:`kl_logits_forward`.
+      dz: where to write the gradient w.r.t. ``z`` (``[N, V]``, contiguous rows), e.g. ``z``
+        itself (each row is read before it is written); default a new tensor like ``z``.
+      dy: the same for ``y``.
+      keep: as for :func:`kl_logits_forward`; rows not kept get zero statistics and gradients.
+      block_v: vocabulary block (power of two); ``>= V`` reads each row once.
+      num_warps: warps per program.
+      programs: programs launched (each takes rows ``pid, pid + programs, ...``); default one
+        per row.
+
+    Returns:
+      ``(stats, dz, dy)``: the :class:`KLRowStats` of :func:`kl_logits_forward` and the
+      gradients in ``z``'s / ``y``'s dtype (None where not needed).
+    """
+    z, y = check_logits(z, y)
+    tau = check_temperature(temperature)
+    n, v = z.shape
+    dev = z.device
+    labels = _check_labels(labels, n, dev)
+    given = (grad_kl_pi_ref, grad_kl_ref_pi, grad_entropy, grad_logp_label, grad_logp_ref_label)
+    g = _check_grads(given, labels, n, dev)
+    g1, g2, g3, g4, g5 = g
+    keep = check_keep(keep, n, dev)
+    bv, warps, one_block = resolve_fused_launch(block_v, num_warps, v)
+    grid = check_programs(programs, n)
+    run_dz = bool(need_grad_z)
+    run_dy = bool(need_grad_y)
+    reads = (z, y)
+    if run_dz:
+        dz = (
+            torch.empty_like(z, memory_format=torch.contiguous_format)
+            if dz is None
+            else check_grad_buffer("dz", dz, z, reads)
+        )
+    if run_dy:
+        dy = (
+            torch.empty_like(y, memory_format=torch.contiguous_format)
+            if dy is None
+            else check_grad_buffer("dy", dy, y, reads)
+        )
+    out = torch.empty(7, n, dtype=torch.float32, device=dev)
+    if labels is None:
+        out[5:].zero_()
+    if n > 0:
+        check_device(z)
+        dummy = out
+        _kernels().kl_logits_fused_kernel[(grid,)](
+            z, y, dummy if labels is None else labels, out, dummy if keep is None else keep,
+            *(dummy if t is None else t for t in g),
+            dz if run_dz else dummy, dy if run_dy else dummy,
+            z.stride(0), y.stride(0), dz.stride(0) if run_dz else v, dy.stride(0) if run_dy else v,
+            n, v, math.log2(math.e) / tau, 1.0 / tau,
+            HAS_LABELS=labels is not None, HAS_KEEP=keep is not None,
+            WANT_AB=bool(want_kl_pi_ref) or g1 is not None,
+            WANT_BA=bool(want_kl_ref_pi) or g2 is not None,
+            WANT_ENT=bool(want_entropy) or g3 is not None,
+            HAS_G1=g1 is not None, HAS_G2=g2 is not None,
+            HAS_G3=run_dz and g3 is not None, HAS_G4=run_dz and g4 is not None,
+            HAS_G5=run_dy and g5 is not None, NEED_DZ=run_dz, NEED_DY=run_dy,
+            ONE_BLOCK=one_block, BLOCK_V=bv, num_warps=warps,
+        )  # fmt: skip
+    stats = KLRowStats(*out.unbind(0))
+    if not want_kl_pi_ref and g1 is not None:  # computed for the gradient, not asked for
+        stats = stats._replace(kl_pi_ref=torch.zeros_like(stats.kl_pi_ref))
+    if not want_kl_ref_pi and g2 is not None:
+        stats = stats._replace(kl_ref_pi=torch.zeros_like(stats.kl_ref_pi))
+    if not want_entropy and g3 is not None:
+        stats = stats._replace(entropy=torch.zeros_like(stats.entropy))
+    return stats, (dz if run_dz else None), (dy if run_dy else None)
