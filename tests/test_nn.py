@@ -228,6 +228,8 @@ def test_gather_with_must_be_fully_sharded():
     head = torch.nn.Linear(3, 5)
     with pytest.raises(TypeError, match="fully_shard"):
         klest.nn.KLFromHidden(head, gather_with=torch.nn.Linear(3, 5))
+
+
 def test_exact_kl_modules_pass_scale_and_ce_weight_through():
     """``scale`` and ``ce_weight`` reach the functions: the modules equal the function calls
     with them, value and gradient, bit for bit (the same code)."""
