@@ -80,3 +80,36 @@ def test_mismatched_widths_point_to_valid_vocab_size():
         klest.kl_from_logits(z, y, valid_vocab_size=14)
     with pytest.raises(TypeError, match="valid_vocab_size must be an int"):
         klest.kl_from_logits(z, y, valid_vocab_size=11.0)
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda a, b, **kw: klest.jsd_from_logits(a, b, beta=0.3, **kw),
+        lambda a, b, **kw: klest.skew_kl_from_logits(a, b, alpha=0.2, **kw),
+        lambda a, b, **kw: klest.tv_from_logits(a, b, **kw),
+    ],
+    ids=["jsd", "skew", "tv"],
+)
+def test_divergences_leave_the_padding_out(call):
+    z, y, _ = _logits()
+
+    def run(a, b, **kw):
+        a = a.clone().requires_grad_()
+        value = call(a, b, **kw)
+        return value.detach(), torch.autograd.grad(value, [a])[0]
+
+    got = run(z, y, valid_vocab_size=V_REAL)
+    want = run(z[..., :V_REAL].contiguous(), y[..., :V_REAL].contiguous())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1][..., :V_REAL], want[1])
+    assert not got[1][..., V_REAL:].any()
+
+
+def test_divergences_from_hidden_leave_the_padding_out():
+    g = torch.Generator().manual_seed(7)
+    h, h_ref = torch.randn(2, 3, 5, generator=g), torch.randn(2, 3, 4, generator=g)
+    w, w_ref = torch.randn(V_STUDENT, 5, generator=g), torch.randn(V_TEACHER, 4, generator=g)
+    for fn in (klest.jsd_from_hidden, klest.tv_from_hidden):
+        options = {"beta": 0.5} if fn is klest.jsd_from_hidden else {}
+        got = fn(h, w, h_ref, w_ref, valid_vocab_size=V_REAL, **options)
+        assert torch.equal(got, fn(h, w[:V_REAL], h_ref, w_ref[:V_REAL], **options))

@@ -89,6 +89,7 @@ _OPTIONS = (
     "backend",
     "stash",
     "scale",
+    "valid_vocab_size",
     "validate",
     "return_details",
 )
@@ -310,6 +311,7 @@ def _from_logits(
     stash: bool | None,
     scale: float | Tensor | None,
     overwrite_logits: bool,
+    valid_vocab_size: int | None,
     cu_seqlens: Tensor | None,
     max_seqlen: int | None,
     counts: GlobalCounts | None,
@@ -329,6 +331,7 @@ def _from_logits(
         reduction=reduction,
         details=return_details,
         checks=checks,
+        valid_vocab_size=valid_vocab_size,
     )
     plan = DivergencePlan(
         div=div,
@@ -392,6 +395,7 @@ def jsd_from_logits(
     backend: Backend = "auto",
     stash: bool | None = None,
     scale: float | Tensor | None = None,
+    valid_vocab_size: int | None = None,
     overwrite_logits: bool = False,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
@@ -458,6 +462,8 @@ def jsd_from_logits(
       overwrite_logits: write the gradient over ``logits`` (and ``logits_ref``, when it
         requires grad) instead of new tensors: no second ``[N, V]`` buffer, but the logits are
         gone after the call (off by default: trainers reuse them).
+      valid_vocab_size: the real vocabulary :math:`V'`: later columns (head rows) are padding
+        and left out, as in :func:`klest.kl_from_logits`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: check for rows with NaN / ``+inf`` logits or no finite logit, labels out of
         range, non-0/1 masks (None: the global default).
@@ -506,6 +512,7 @@ def skew_kl_from_logits(
     backend: Backend = "auto",
     stash: bool | None = None,
     scale: float | Tensor | None = None,
+    valid_vocab_size: int | None = None,
     overwrite_logits: bool = False,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
@@ -546,6 +553,8 @@ def skew_kl_from_logits(
       stash: as in :func:`jsd_from_logits`.
       scale: as in :func:`jsd_from_logits`.
       overwrite_logits: as in :func:`jsd_from_logits`.
+      valid_vocab_size: the real vocabulary :math:`V'`: later columns (head rows) are padding
+        and left out, as in :func:`klest.kl_from_logits`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
@@ -583,6 +592,7 @@ def tv_from_logits(
     backend: Backend = "auto",
     stash: bool | None = None,
     scale: float | Tensor | None = None,
+    valid_vocab_size: int | None = None,
     overwrite_logits: bool = False,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
@@ -620,6 +630,8 @@ def tv_from_logits(
       stash: as in :func:`jsd_from_logits`.
       scale: as in :func:`jsd_from_logits`.
       overwrite_logits: as in :func:`jsd_from_logits`.
+      valid_vocab_size: the real vocabulary :math:`V'`: later columns (head rows) are padding
+        and left out, as in :func:`klest.kl_from_logits`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
@@ -648,6 +660,7 @@ def tv_from_logits(
         stash=stash,
         scale=scale,
         overwrite_logits=overwrite_logits,
+        valid_vocab_size=valid_vocab_size,
         cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen,
         counts=counts,
@@ -676,6 +689,7 @@ def jsd_from_hidden(
     backend: Backend = "auto",
     stash: bool | None = None,
     scale: float | Tensor | None = None,
+    valid_vocab_size: int | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -723,6 +737,8 @@ def jsd_from_hidden(
       stash: as in :func:`klest.kl_from_hidden` (the gradients in the forward pass for a scalar
         ``reduction``).
       scale: as in :func:`jsd_from_logits`.
+      valid_vocab_size: the real vocabulary :math:`V'`: later columns (head rows) are padding
+        and left out, as in :func:`klest.kl_from_logits`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_logits`.
       return_details: as in :func:`jsd_from_logits`.
@@ -770,6 +786,7 @@ def skew_kl_from_hidden(
     backend: Backend = "auto",
     stash: bool | None = None,
     scale: float | Tensor | None = None,
+    valid_vocab_size: int | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -815,6 +832,8 @@ def skew_kl_from_hidden(
       backend: as in :func:`jsd_from_hidden`.
       stash: as in :func:`jsd_from_hidden`.
       scale: as in :func:`jsd_from_hidden`.
+      valid_vocab_size: the real vocabulary :math:`V'`: later columns (head rows) are padding
+        and left out, as in :func:`klest.kl_from_logits`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_hidden`.
       return_details: as in :func:`jsd_from_hidden`.
@@ -861,6 +880,7 @@ def tv_from_hidden(
     backend: Backend = "auto",
     stash: bool | None = None,
     scale: float | Tensor | None = None,
+    valid_vocab_size: int | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -901,6 +921,8 @@ def tv_from_hidden(
       backend: as in :func:`jsd_from_hidden`.
       stash: as in :func:`jsd_from_hidden`.
       scale: as in :func:`jsd_from_hidden`.
+      valid_vocab_size: the real vocabulary :math:`V'`: later columns (head rows) are padding
+        and left out, as in :func:`klest.kl_from_logits`.
       cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
       validate: as in :func:`jsd_from_hidden`.
       return_details: as in :func:`jsd_from_hidden`.
