@@ -545,8 +545,8 @@ def _summary_sentence(finals: dict, teacher_length: float) -> str:
 
 def _figures(runs: dict) -> dict:
     plt = pyplot()
-    cmap = plt.get_cmap("tab10")
-    colors = {m.name: cmap(i % 10) for i, m in enumerate(METHODS)}
+    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + ["black"]
+    colors = {m.name: palette[i % len(palette)] for i, m in enumerate(METHODS)}
     fig, axes = plt.subplots(
         2, len(runs), figsize=(6 * len(runs) + 1.5, 8), squeeze=False, layout="constrained"
     )
