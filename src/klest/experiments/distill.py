@@ -413,6 +413,11 @@ def _run(teacher: Any, starts: dict[str, Any], sizes: Sizes, config: RunConfig) 
                         bar=bar,
                     )
                     runs[start_name][method.name].append({"seed": seed, **curves})
+    return _report(runs, float(np.mean(teacher_length)), sizes, config)
+
+
+def _report(runs: dict, teacher_length: float, sizes: Sizes, config: RunConfig) -> Report:
+    """The result, table and figure of the curves ``runs[start][method]`` (a list over seeds)."""
     finals = _finals(runs)
     results = {
         "experiment": "distill",
@@ -432,7 +437,7 @@ def _run(teacher: Any, starts: dict[str, Any], sizes: Sizes, config: RunConfig) 
         },
         "runs": runs,
         "final": finals,
-        "teacher_length": float(np.mean(teacher_length)),
+        "teacher_length": teacher_length,
         "paper": PAPER,
     }
     sentence = _summary_sentence(finals, results["teacher_length"])
