@@ -67,11 +67,11 @@ https://arxiv.org/abs/2605.07865), the exact-KL control variate; "Better Estimat
 Kullback-Leibler Divergence Between Language Models" by Afra Amini, Tim Vieira and Ryan
 Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637), the Rao-Blackwellized estimates.
 
-Full size: ``klest run distill`` (3 seeds, 2 starts, 8 methods, 150 steps of 8 prompts x 8
-completions, 192 held-out samples per evaluation every 10 steps): 16 minutes (962 s measured) on a
-busy 2-core machine with the models already trained (training them once takes about a minute
-more). ``--quick`` (smaller models trained in a temporary folder, one seed, 6 steps at lr 3e-3)
-takes about 15 CPU-seconds.
+Full size: ``klest run distill`` (3 seeds, 2 starts, 11 methods, 150 steps of 8 prompts x 8
+completions, 192 held-out samples per evaluation every 10 steps): about 22 minutes on a busy
+2-core machine with the models already trained (962 s measured for the first 8 methods; training
+the models once takes about a minute more). ``--quick`` (smaller models trained in a temporary
+folder, one seed, 6 steps at lr 3e-3) takes about 20 CPU-seconds.
 """
 
 from __future__ import annotations
