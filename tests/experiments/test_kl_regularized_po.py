@@ -28,7 +28,9 @@ from klest.experiments.kl_regularized_po import (
     policy_loss,
     prompts,
     rloo_advantages,
+    rloo_kl_terms,
     train,
+    with_cross_terms,
 )
 from klest.experiments.reviews import NEUTRAL, sentiment
 from klest.experiments.small_lms import (
@@ -262,3 +264,120 @@ def test_quick_frontier_is_the_brute_force_frontier_of_the_final_points(quick):
     assert set(product(["all", f"kl<{LOW_KL:g}"], ["rb", "mc", "points"])) <= {
         (region, k) for region, share in quick["frontier"]["share"].items() for k in share
     }
+
+
+# The mechanism of the gradient-noise study, exactly: a policy over two-token completions
+# (V = 3, 9 completions) with K = 3 completions of one prompt per batch, all 9^3 batches
+# enumerated with their probabilities.
+V, K = 3, 3
+COMPLETIONS = torch.tensor(list(product(range(V), repeat=2)))
+BATCHES = torch.tensor(list(product(range(len(COMPLETIONS)), repeat=K)))
+
+
+def _table_rows(y: torch.Tensor) -> torch.Tensor:
+    """The table row of each position: 0 for the first token, 1 + y_1 for the second."""
+    return torch.stack([torch.zeros_like(y[:, 0]), 1 + y[:, 0]], 1)
+
+
+def _tilted_policy(seed: int, *, temperature: float, jitter: float):
+    """ref (a random table), a reward r in [-1, 1] per completion, and pi(y) proportional to
+    ref(y) exp(r(y) / temperature + jitter * noise(y)) as a table of next-token log-probs: the
+    policy KL-regularized training moves toward (at jitter 0, the optimum of beta =
+    temperature), whose log-ratio is r / temperature up to the noise and a constant."""
+    g = torch.Generator().manual_seed(seed)
+    ref = torch.randn(1 + V, V, generator=g, dtype=torch.float64).log_softmax(-1)
+    reward = torch.rand(len(COMPLETIONS), generator=g, dtype=torch.float64) * 2 - 1
+    noise = torch.randn(len(COMPLETIONS), generator=g, dtype=torch.float64)
+    logref = ref[_table_rows(COMPLETIONS), COMPLETIONS].sum(-1)
+    joint = (logref + reward / temperature + jitter * noise).log_softmax(0).view(V, V)
+    first = joint.logsumexp(1)
+    return torch.cat([first[None], joint - first[:, None]]), ref, reward
+
+
+def _enumerated_parts(table, ref, reward):
+    """Every batch's probability ``[B]`` and the gradients ``[B, P]`` (w.r.t. pi's table) of
+    the experiment's loss parts on it: the RLOO reward term and each arm's KL term
+    (:func:`rloo_kl_terms`). One backward: each batch has a copy of the table."""
+    n = len(BATCHES)
+    copies = table.expand(n, *table.shape).clone().requires_grad_(True)
+    y = COMPLETIONS[BATCHES].reshape(n * K, 2)
+    batch = torch.arange(n).repeat_interleave(K)
+    rows = _table_rows(y)
+    logits = copies[batch[:, None], rows].log_softmax(-1)
+    logits_ref = ref[rows]
+    logp = logits.gather(-1, y[..., None]).squeeze(-1)
+    logp_ref = logits_ref.gather(-1, y[..., None]).squeeze(-1)
+    mask = torch.ones_like(y, dtype=torch.bool)
+    rewards = reward[BATCHES].reshape(-1)
+    reinforce, kls = rloo_kl_terms(logp, logp_ref, logits, logits_ref, mask, rewards, batch)
+
+    def per_batch(loss):  # the losses average over all batches' rows: n times each one's
+        (grad,) = torch.autograd.grad(loss, copies, retain_graph=True)
+        return (n * grad).reshape(n, -1)
+
+    parts = {"reward": per_batch(reinforce)} | {f"kl/{e}": per_batch(v) for e, v in kls.items()}
+    logp_completion = table.log_softmax(-1)[_table_rows(COMPLETIONS), COMPLETIONS].sum(-1)
+    return logp_completion[BATCHES].sum(-1).exp(), parts
+
+
+def _mean_var(prob, x):
+    mean = (prob[:, None] * x).sum(0)
+    return mean, float((prob[:, None] * (x - mean).square()).sum())
+
+
+def _exact_noise(prob, parts, beta) -> dict[str, float]:
+    """The gradient-noise study's total variances, exact over the enumerated batches."""
+    noise = {"reward": _mean_var(prob, parts["reward"])[1]}
+    for est in ("mc", "rb"):
+        noise[f"kl/{est}"] = _mean_var(prob, beta * parts[f"kl/{est}"])[1]
+        noise[f"total/{est}"] = _mean_var(prob, parts["reward"] + beta * parts[f"kl/{est}"])[1]
+    return with_cross_terms(noise)
+
+
+def test_mc_log_ratio_cancels_reward_noise_exactly():
+    """The gradient-noise finding, by enumerating every batch: for a policy tilted toward the
+    reward (its log-ratio r / 1 plus noise of sd 0.3), MC's KL-term gradient cancels part of
+    the reward term's: the cross term Var(whole) - Var(reward) - Var(beta x KL) is negative,
+    below RB's, and MC's whole gradient is less noisy than RB's, at beta = 0.1, 0.3, 1 (up to
+    twice the tilt); at beta = 3 the KL term's own noise dominates and RB's whole gradient is
+    the quieter. At the exact optimum (no noise, beta = the tilt) MC's reward minus beta times
+    the log-ratio is the same for every completion, so its whole gradient is 0 on every batch.
+    Exact values: the checks are inequalities between exact sums (margins: MC's cross term is
+    at least 10x RB's), and the enumeration is checked against the exact means (both KL terms
+    unbiased for the gradient of KL(pi||ref), the reward term for minus that of E[r]), to
+    float64 rounding of sums over the 729 batches (729 x 16 roundings at the gradient's scale).
+    """
+    table, ref, reward = _tilted_policy(0, temperature=1.0, jitter=0.3)
+    prob, parts = _enumerated_parts(table, ref, reward)
+    assert_close_to_rounding(prob.sum(), torch.tensor(1.0, dtype=torch.float64), ulps=729)
+    theta = table.clone().requires_grad_(True)
+    logp = theta.log_softmax(-1)[_table_rows(COMPLETIONS), COMPLETIONS].sum(-1)
+    logref = ref[_table_rows(COMPLETIONS), COMPLETIONS].sum(-1)
+    kl_grad, reward_grad = (
+        torch.autograd.grad((logp.exp() * f).sum(), theta, retain_graph=True)[0].reshape(-1)
+        for f in (logp - logref, reward)
+    )
+    scale = max(float(p.abs().max()) for p in parts.values())
+    for name, want in (("kl/mc", kl_grad), ("kl/rb", kl_grad), ("reward", -reward_grad)):
+        got = _mean_var(prob, parts[name])[0]
+        assert_close_to_rounding(got, want, ulps=729 * 16, scale=scale, what=name)
+
+    for beta in (0.1, 0.3, 1.0):
+        v = _exact_noise(prob, parts, beta)
+        assert v["cross/mc"] < 10 * v["cross/rb"] < 0, (beta, v)
+        assert v["total/mc"] < v["total/rb"], (beta, v)
+    v = _exact_noise(prob, parts, 3.0)
+    assert v["cross/mc"] < 0 and v["total/mc"] > v["total/rb"], v
+
+    table, ref, reward = _tilted_policy(1, temperature=0.5, jitter=0.0)
+    prob, parts = _enumerated_parts(table, ref, reward)
+    whole = {e: parts["reward"] + 0.5 * parts[f"kl/{e}"] for e in ("mc", "rb")}
+    # Each batch's whole MC gradient: K = 3 scores times advantages that cancel to 0, each a
+    # difference of terms of the gradient parts' size (16 roundings of it).
+    assert_close_to_rounding(
+        whole["mc"],
+        torch.zeros_like(whole["mc"]),
+        ulps=16,
+        scale=float(parts["reward"].abs().max()),
+    )
+    assert _mean_var(prob, whole["rb"])[1] > 0.1 * _mean_var(prob, parts["reward"])[1]

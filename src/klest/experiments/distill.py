@@ -32,6 +32,14 @@ from both models' logits:
 - ``rb+loo``: the same, the future-KL target minus its leave-one-out mean: unbiased;
 - ``exact-token-kl``: autodiff of :math:`\sum_t KL_t` through the student's logits
   (:func:`klest.kl_from_logits`), the full-logit distillation loss; its mean is ``token``'s.
+- ``cumulative gamma=0.9``, ``cumulative gamma=0.5``: reward-to-go discounted,
+  :math:`\sum_t s_t \sum_{u\ge t}\gamma^{u-t}\rho_u` (``discount=``; GAE-OPD's discounted
+  return, the Tinker cookbook's ``kl_discount_factor``): between ``token`` (0) and
+  ``cumulative`` (1), the gradient of no divergence;
+- ``token+iw-opd``: :math:`\sum_t s_t w_t\rho_t` with IW-OPD's token weights
+  :math:`w_t = 1 + g(1 - \sum_{u<t}|\rho_u| / \sum_u|\rho_u|)`, :math:`g = 0.5` (TRL's
+  default), which weight the early tokens up to :math:`1 + g` (``weights=``); the weights read
+  the whole sequence, so its mean is neither gradient.
 
 Models (:mod:`klest.experiments.small_lms`, cached under ``runs/_models``): the teacher is the
 TEACHER GPT-2 (96 wide, 3 layers) trained on ENTHUSIAST reviews; the student is the STUDENT
@@ -59,11 +67,11 @@ https://arxiv.org/abs/2605.07865), the exact-KL control variate; "Better Estimat
 Kullback-Leibler Divergence Between Language Models" by Afra Amini, Tim Vieira and Ryan
 Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637), the Rao-Blackwellized estimates.
 
-Full size: ``klest run distill`` (3 seeds, 2 starts, 8 methods, 150 steps of 8 prompts x 8
-completions, 192 held-out samples per evaluation every 10 steps): 16 minutes (962 s measured) on a
-busy 2-core machine with the models already trained (training them once takes about a minute
-more). ``--quick`` (smaller models trained in a temporary folder, one seed, 6 steps at lr 3e-3)
-takes about 15 CPU-seconds.
+Full size: ``klest run distill`` (3 seeds, 2 starts, 11 methods, 150 steps of 8 prompts x 8
+completions, 192 held-out samples per evaluation every 10 steps): about 22 minutes on a busy
+2-core machine with the models already trained (962 s measured for the first 8 methods; training
+the models once takes about a minute more). ``--quick`` (smaller models trained in a temporary
+folder, one seed, 6 steps at lr 3e-3) takes about 20 CPU-seconds.
 """
 
 from __future__ import annotations
@@ -128,19 +136,31 @@ class Method:
       grad: ``kl_penalty``'s ``grad=`` (None: :func:`klest.kl_from_logits`).
       baseline: ``kl_penalty``'s ``baseline=``.
       sequence_level: its mean is the gradient of the sequence KL(pi||ref) (else the token-local
-        gradient, prefixes held fixed).
+        gradient, prefixes held fixed, or with ``discount`` or ``iw_opd`` neither).
+      discount: ``kl_penalty``'s ``discount=`` (``cumulative`` and ``rb``).
+      iw_opd: IW-OPD's gain g of the token weights (:func:`iw_opd_weights`), or None.
     """
 
     name: str
     grad: str | None
     baseline: str | None
     sequence_level: bool
+    discount: float = 1.0
+    iw_opd: float | None = None
+
+    @property
+    def token_local(self) -> bool:
+        """Its mean is the token-local gradient (prefixes held fixed)."""
+        return not self.sequence_level and self.discount == 1.0 and self.iw_opd is None
 
     def loss(self, r: Rollout) -> Tensor:
         """The scalar loss whose gradient is this method's (mean over sequences of the sum over
         tokens: the sequence KL's scale)."""
         if self.grad is None:
             return kl_from_logits(r.logits, r.logits_ref, mask=r.mask)
+        weights = None
+        if self.iw_opd is not None:
+            weights = iw_opd_weights(r.logp, r.logp_ref, r.mask, gain=self.iw_opd)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", KLGradientWarning)  # token's bias is the point
             return kl_penalty(
@@ -153,7 +173,21 @@ class Method:
                 group=r.group if self.baseline is not None else None,
                 logits=r.logits,
                 logits_ref=r.logits_ref,
+                discount=self.discount,
+                weights=weights,
             )
+
+
+def iw_opd_weights(logp: Tensor, logp_ref: Tensor, mask: Tensor, *, gain: float) -> Tensor:
+    r"""IW-OPD's per-token weights ``[n, L]`` (detached), "Importance-Weighted On-Policy
+    Distillation" (arXiv 2606.22600) as TRL's experimental IW-OPD trainer computes them:
+    :math:`w_t = 1 + g\,(1 - \sum_{u<t}|\rho_u| / \max(\sum_u|\rho_u|, 10^{-8}))`, from
+    1 + g at the first token down to about 1 at the last, for the log-ratios
+    :math:`\rho_t` of the valid tokens (``mask``) of each completion."""
+    a = torch.where(mask, (logp - logp_ref).detach(), 0.0).abs()
+    before = a.cumsum(-1) - a
+    total = a.sum(-1, keepdim=True).clamp_min(1e-8)
+    return 1.0 + gain * (1.0 - before / total)
 
 
 METHODS: tuple[Method, ...] = (
@@ -165,6 +199,9 @@ METHODS: tuple[Method, ...] = (
     Method("rb", "rb", None, True),
     Method("rb+loo", "rb", "loo", True),
     Method("exact-token-kl", None, None, False),
+    Method("cumulative gamma=0.9", "cumulative", None, False, discount=0.9),
+    Method("cumulative gamma=0.5", "cumulative", None, False, discount=0.5),
+    Method("token+iw-opd", "token", None, False, iw_opd=0.5),
 )
 """The compared gradients (module docstring); ``token`` is the reference of the ratios."""
 BY_NAME = {m.name: m for m in METHODS}
@@ -376,6 +413,11 @@ def _run(teacher: Any, starts: dict[str, Any], sizes: Sizes, config: RunConfig) 
                         bar=bar,
                     )
                     runs[start_name][method.name].append({"seed": seed, **curves})
+    return _report(runs, float(np.mean(teacher_length)), sizes, config)
+
+
+def _report(runs: dict, teacher_length: float, sizes: Sizes, config: RunConfig) -> Report:
+    """The result, table and figure of the curves ``runs[start][method]`` (a list over seeds)."""
     finals = _finals(runs)
     results = {
         "experiment": "distill",
@@ -383,12 +425,19 @@ def _run(teacher: Any, starts: dict[str, Any], sizes: Sizes, config: RunConfig) 
         "seed": config.seed,
         "sizes": _jsonable_sizes(sizes),
         "methods": {
-            m.name: {"grad": m.grad, "baseline": m.baseline, "sequence_level": m.sequence_level}
+            m.name: {
+                "grad": m.grad,
+                "baseline": m.baseline,
+                "sequence_level": m.sequence_level,
+                "token_local": m.token_local,
+                "discount": m.discount,
+                "iw_opd": m.iw_opd,
+            }
             for m in METHODS
         },
         "runs": runs,
         "final": finals,
-        "teacher_length": float(np.mean(teacher_length)),
+        "teacher_length": teacher_length,
         "paper": PAPER,
     }
     sentence = _summary_sentence(finals, results["teacher_length"])
@@ -462,9 +511,14 @@ def _table(finals: dict, sizes: Sizes) -> str:
 
 
 def _best(finals: dict, start: str, sequence_level: bool) -> tuple[str, float]:
-    names = [m.name for m in METHODS if m.sequence_level == sequence_level]
+    names = [m.name for m in METHODS if m.sequence_level == sequence_level and not _between(m)]
     name = min(names, key=lambda n: finals[start][n]["kl"]["final"])
     return name, finals[start][name]["kl"]["final"]
+
+
+def _between(m: Method) -> bool:
+    """Neither sequence-level nor token-local: discounted or IW-OPD-weighted."""
+    return not m.sequence_level and not m.token_local
 
 
 def _summary_sentence(finals: dict, teacher_length: float) -> str:
@@ -479,7 +533,13 @@ def _summary_sentence(finals: dict, teacher_length: float) -> str:
             f"({seq / token['final']:.2f}x token's), the best token-local one ({loc_name}) at "
             f"{loc:.2f}; completions go from {methods['token']['length']['start']:.1f} tokens "
             f"to {finals[start][seq_name]['length']['shortest']:.1f} at the shortest under "
-            f"{seq_name}, {methods['token']['length']['shortest']:.1f} under token"
+            f"{seq_name}, {methods['token']['length']['shortest']:.1f} under token; "
+            + ", ".join(
+                f"{m.name} ends at {methods[m.name]['kl']['final']:.2f} (shortest "
+                f"{methods[m.name]['length']['shortest']:.1f} tokens)"
+                for m in METHODS
+                if _between(m)
+            )
         )
     paper = PAPER["sequence-level"] / PAPER["token-level"]
     return (
@@ -490,8 +550,8 @@ def _summary_sentence(finals: dict, teacher_length: float) -> str:
 
 def _figures(runs: dict) -> dict:
     plt = pyplot()
-    cmap = plt.get_cmap("tab10")
-    colors = {m.name: cmap(i) for i, m in enumerate(METHODS)}
+    palette = [plt.get_cmap("tab10")(i) for i in range(10)] + ["black"]
+    colors = {m.name: palette[i % len(palette)] for i, m in enumerate(METHODS)}
     fig, axes = plt.subplots(
         2, len(runs), figsize=(6 * len(runs) + 1.5, 8), squeeze=False, layout="constrained"
     )
@@ -505,7 +565,7 @@ def _figures(runs: dict) -> dict:
                 steps = seeds[0]["step"]
                 curve = np.mean([r[key] for r in seeds], axis=0)
                 se = np.sqrt(np.mean([np.square(r[f"{key}_se"]) for r in seeds], axis=0))
-                style = "-" if m.sequence_level else "--"
+                style = "-" if m.sequence_level else ":" if _between(m) else "--"
                 ax.plot(steps, curve, style, color=colors[m.name], label=m.name)
                 ax.fill_between(steps, curve - se, curve + se, color=colors[m.name], alpha=0.15)
             ax.set(xlabel="step", ylabel="nats", yscale="log", title=f"{start}: {title}")
@@ -517,8 +577,19 @@ def _figures(runs: dict) -> dict:
 EXPERIMENT = Experiment(
     name="distill",
     description="on-policy distillation of a small LM: token-local vs sequence-level KL "
-    "gradients, RB, the exact-KL control variate, the exact per-token KL loss",
+    "gradients, RB, the exact-KL control variate, the exact per-token KL loss, the discount, "
+    "IW-OPD's token weights",
     run=run,
 )
 
-__all__ = ["BY_NAME", "EXPERIMENT", "METHODS", "Method", "Rollout", "distill", "prompts", "run"]
+__all__ = [
+    "BY_NAME",
+    "EXPERIMENT",
+    "METHODS",
+    "Method",
+    "Rollout",
+    "distill",
+    "iw_opd_weights",
+    "prompts",
+    "run",
+]

@@ -49,7 +49,10 @@ reward and KL, and the Pareto frontier of all final points (higher reward, lower
 betas, estimators and seeds): the share of it each estimator holds, overall and for KL < 5 (the
 paper: RB 78% overall, 95% for KL < 5). And, to see where the estimators' difference goes, the
 noise of the training gradient at the end of seed 0's runs: the total variance across batches of
-the reward term's gradient, of beta times each KL term's, and of each arm's whole gradient.
+the reward term's gradient, of beta times each KL term's, of each arm's whole gradient, and the
+cross term Var(whole) - Var(reward) - Var(beta x KL), negative where the KL term's gradient
+cancels the reward term's noise (MC's log-ratio does where the policy has learned to favour the
+rewarded completions: it is then correlated with the reward).
 
 Full size: ``klest run kl-regularized-po``: ref of the STUDENT shape trained 600 steps (cached
 under ``runs/_models``, about 15 seconds); betas 0.01, 0.03, 0.1, 0.3 (final KL 1 to 4.5 nats);
@@ -147,13 +150,35 @@ def loss_terms(
     with torch.no_grad():
         logits_ref, logp_ref = completion_log_probs(ref, batch)
     rewards = sentiment(batch.tokens[:, batch.k :], batch.mask).double()
+    reinforce, kls = rloo_kl_terms(
+        logp, logp_ref, logits, logits_ref, batch.mask, rewards, group, estimators=estimators
+    )
+    return reinforce, kls, rewards
+
+
+def rloo_kl_terms(
+    logp: Tensor,
+    logp_ref: Tensor,
+    logits: Tensor,
+    logits_ref: Tensor,
+    mask: Tensor,
+    rewards: Tensor,
+    group: Tensor,
+    *,
+    estimators: tuple[str, ...] = ESTIMATORS,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    r"""The two parts of the training loss from any policy's scores: the REINFORCE term with
+    RLOO advantages, :math:`-\frac{1}{N}\sum_i A_i\sum_t\log\pi(y_{i,t})`, and each
+    estimator's KL term (:data:`KL_PENALTIES`, leave-one-out within ``group``). ``logp``,
+    ``logp_ref``, ``mask`` ``[N, L]``, ``logits``, ``logits_ref`` ``[N, L, V]`` (pi's with its
+    graph), ``rewards`` and ``group`` ``[N]``."""
     reinforce = -(rloo_advantages(rewards, group) * logp.sum(-1)).mean()
     kls = {
         est: kl_penalty(
             logp,
             logp_ref,
             **KL_PENALTIES[est],
-            mask=batch.mask,
+            mask=mask,
             baseline="loo",
             group=group,
             logits=logits,
@@ -161,7 +186,7 @@ def loss_terms(
         )
         for est in estimators
     }
-    return reinforce, kls, rewards
+    return reinforce, kls
 
 
 def policy_loss(
@@ -213,7 +238,18 @@ def gradient_noise(
             g_kl = beta * flat(kl)
             draws.setdefault(f"kl/{est}", []).append(g_kl)
             draws.setdefault(f"total/{est}", []).append(g_reward + g_kl)
-    return {name: float(torch.stack(v).var(0).sum()) for name, v in draws.items()}
+    return with_cross_terms({name: float(torch.stack(v).var(0).sum()) for name, v in draws.items()})
+
+
+def with_cross_terms(noise: dict[str, float]) -> dict[str, float]:
+    """``noise`` with each arm's cross term ``"cross/EST"`` = Var(whole) - Var(reward term) -
+    Var(beta x KL term), twice the summed covariance of the two parts: negative where the KL
+    term's gradient cancels the reward term's noise."""
+    out = dict(noise)
+    for est in ESTIMATORS:
+        if f"total/{est}" in noise:
+            out[f"cross/{est}"] = noise[f"total/{est}"] - noise["reward"] - noise[f"kl/{est}"]
+    return out
 
 
 def prompts(n: int, *, generator: torch.Generator) -> Tensor:
@@ -416,16 +452,21 @@ def _table(stats: dict, frontier: dict, noise: dict, sizes: Sizes) -> str:
         f"### Gradient noise at the end of seed {0}'s runs: total variance over "
         f"{sizes.noise_draws} batches\n",
         "| beta | trained with | reward term | beta x KL term, mc | beta x KL term, rb "
-        "| whole gradient, mc | whole gradient, rb | rb / mc (whole) |",
-        "|---|---|---|---|---|---|---|---|",
+        "| whole gradient, mc | whole gradient, rb | cross term, mc | cross term, rb "
+        "| rb / mc (whole) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for beta, by_policy in noise.items():
         for est, v in by_policy.items():
             lines.append(
                 f"| {beta:g} | {est} | {v['reward']:.4g} | {v['kl/mc']:.4g} | {v['kl/rb']:.4g} "
-                f"| {v['total/mc']:.4g} | {v['total/rb']:.4g} "
-                f"| {_ratio(v['total/rb'], v['total/mc']):.3f} |"
+                f"| {v['total/mc']:.4g} | {v['total/rb']:.4g} | {v['cross/mc']:.4g} "
+                f"| {v['cross/rb']:.4g} | {_ratio(v['total/rb'], v['total/mc']):.3f} |"
             )
+    lines.append(
+        "\nCross term = Var(whole) - Var(reward term) - Var(beta x KL term): twice the summed "
+        "covariance of the two parts; negative where the KL term's gradient cancels reward noise."
+    )
     return "\n".join(lines) + "\n"
 
 
@@ -512,7 +553,9 @@ def _summary_sentence(stats: dict, frontier: dict, noise: dict) -> str:
         f"the end of training (RB-trained policy, beta = {', '.join(f'{b:g}' for b in at_end)}): "
         f"RB's KL-term variance is {listed('kl/rb', 'kl/mc')} of MC's, the whole gradient's "
         f"{listed('total/rb', 'total/mc')} of MC's; the reward term alone is "
-        f"{listed('reward', 'total/mc')} of MC's whole-gradient variance."
+        f"{listed('reward', 'total/mc')} of MC's whole-gradient variance; the cross term "
+        f"(Var(whole) - Var(reward) - Var(beta x KL)) over the reward term's variance is "
+        f"{listed('cross/mc', 'reward')} for MC and {listed('cross/rb', 'reward')} for RB."
     )
 
 
@@ -579,6 +622,8 @@ __all__ = [
     "policy_loss",
     "prompts",
     "rloo_advantages",
+    "rloo_kl_terms",
     "run",
     "train",
+    "with_cross_terms",
 ]
