@@ -103,10 +103,17 @@ def policy_loss(advantage, lp, mask, how):
     return aggregate(-advantage * ratio(lp), mask, how)
 
 
-def returns_to_go(rewards, mask):
-    """sum_{u >= t} r_u over the valid tokens (gamma = 1)."""
+def returns_to_go(rewards, mask, gamma=1.0):
+    """sum_{u >= t} gamma^(u - t) r_u over the valid tokens (right-padded rows)."""
     r = rewards * mask
-    return r.flip(-1).cumsum(-1).flip(-1) * mask
+    if gamma == 1.0:
+        return r.flip(-1).cumsum(-1).flip(-1) * mask
+    out = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        out[:, t] = running
+    return out * mask
 
 
 def verl_k3(lp, lr):
@@ -214,6 +221,8 @@ def peer(key: str, batch: Batch):
         adv = -(old - lr) * m
         if key.endswith("discount1"):
             adv = returns_to_go(adv, m)
+        elif key.endswith("discount"):  # kl_discount_factor=0.9
+            adv = returns_to_go(adv, m, gamma=0.9)
         value = aggregate(k1(old, lr), m, "sum")
         return value, aggregate(-torch.exp(lp - old) * adv, m, "sum")
     raise KeyError(key)

@@ -117,7 +117,7 @@ class KLCall:
         kw = self.kwargs
         args = ["logits, logits_ref" if self.function == "kl_from_logits" else "logp, logp_ref"]
         args.append("mask=mask")
-        args += [f'{k}="{v}"' for k, v in kw.items()]
+        args += [f'{k}="{v}"' if isinstance(v, str) else f"{k}={v!r}" for k, v in kw.items()]
         if "baseline" in kw:
             args.append("group=prompt_ids")
         if self.function == "kl_penalty" and "rb" in (kw["estimator"], kw["grad"]):
@@ -135,6 +135,9 @@ class KLCall:
         name = f"{kw['estimator']}/{kw['grad']}" if kw["grad"] == "autodiff" else kw["grad"]
         if "baseline" in kw:
             name += f"+{kw['baseline']}"
+        for option in ("discount", "power"):  # they change the gradient
+            if option in kw:
+                name += f";{option}={kw[option]:g}"
         return name + ("" if self.direction == "pi||ref" else f", KL({self.direction})")
 
     def value_key(self) -> str:
@@ -145,7 +148,7 @@ class KLCall:
         return est if self.direction == "pi||ref" else f"{est}, KL({self.direction})"
 
 
-def _penalty(estimator: str, grad: str, **options: str) -> KLCall:
+def _penalty(estimator: str, grad: str, **options: str | float) -> KLCall:
     """A :func:`klest.kl_penalty` call."""
     return KLCall("kl_penalty", (("estimator", estimator), ("grad", grad), *options.items()))
 
@@ -451,6 +454,16 @@ OPTIONS: tuple[PeerOption, ...] = (
         "sum",
         RL_FIX_K1,
         "the advantage is the sum of -beta k1 from the token on",
+    ),
+    PeerOption(
+        "tinker-distill-discount",
+        "Tinker cookbook",
+        "on-policy distillation: kl_discount_factor=0.9",
+        "tinker_cookbook/distillation/train_on_policy.py (incorporate_kl_penalty)",
+        _penalty("k1", "cumulative", discount=0.9),
+        "sum",
+        RL_FIX_K1,
+        "the advantage is the sum of -beta k1 from the token on, discounted by 0.9 per token",
     ),
 )
 """Every option in the table, in order."""
