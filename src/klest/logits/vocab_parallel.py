@@ -59,6 +59,29 @@ def shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[int
     return sum(sizes[:rank]), sum(sizes), max(sizes)
 
 
+def vocab_layout(
+    n: int,
+    v_local: int,
+    group,
+    device: torch.device,
+    vocab_size: int | None,
+    vocab_start_index: int | None,
+) -> tuple[int, int, int]:
+    """``(offset, total V, widest shard)``: gathered over ``group`` (and checked against
+    ``vocab_size``), or from ``vocab_start_index`` and ``vocab_size`` with no collective (the
+    widest shard then taken as ``ceil(V / world)``, Megatron's equal split)."""
+    if vocab_start_index is None:
+        offset, v_total, widest = shard_layout(n, v_local, group, device)
+        if vocab_size is not None and vocab_size != v_total:
+            raise ValueError(
+                f"the shard sizes add up to V = {v_total} over the group, but vocab_size = "
+                f"{vocab_size}"
+            )
+        return offset, v_total, widest
+    offset, v_total = given_layout(vocab_start_index, vocab_size, v_local)
+    return offset, v_total, -(-v_total // dist.get_world_size(group))
+
+
 def given_layout(start: object, vocab_size: object, v_local: int) -> tuple[int, int]:
     """``(offset, V)`` from ``vocab_start_index`` and ``vocab_size``, checked locally."""
     if isinstance(start, bool) or not isinstance(start, int) or start < 0:
@@ -232,15 +255,9 @@ def kl_from_logits_vocab_parallel(
     checks = ValueChecks(resolve_validate(validate))
     v_local = logits.shape[-1]
     z, y = logits.reshape(-1, v_local), logits_ref.reshape(-1, v_local)
-    if vocab_start_index is None:
-        offset, v_total, _ = shard_layout(z.shape[0], v_local, group, z.device)
-        if vocab_size is not None and vocab_size != v_total:
-            raise ValueError(
-                f"the shard sizes add up to V = {v_total} over the group, but vocab_size = "
-                f"{vocab_size}"
-            )
-    else:
-        offset, v_total = given_layout(vocab_start_index, vocab_size, v_local)
+    offset, v_total, _ = vocab_layout(
+        z.shape[0], v_local, group, z.device, vocab_size, vocab_start_index
+    )
     if valid_vocab_size is not None:
         v_valid = check_valid_vocab_size(valid_vocab_size, (v_total,))
         z, y = _valid_columns(z, y, v_valid - offset)

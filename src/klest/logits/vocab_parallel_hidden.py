@@ -39,9 +39,8 @@ from klest.logits._stats import KLRowStats
 from klest.logits.from_hidden import _KLPlan, run_hidden
 from klest.logits.vocab_parallel import (
     VocabShard,
-    given_layout,
     merge_shards,
-    shard_layout,
+    vocab_layout,
 )
 
 __all__ = ["kl_from_hidden_vocab_parallel"]
@@ -223,17 +222,9 @@ def kl_from_hidden_vocab_parallel(
         )
     v_local = weight.shape[0]
     n = math.prod(hidden.shape[:-1])
-    world = dist.get_world_size(group)
-    if vocab_start_index is None:
-        offset, v_total, widest = shard_layout(n, v_local, group, hidden.device)
-        if vocab_size is not None and vocab_size != v_total:
-            raise ValueError(
-                f"the shard sizes add up to V = {v_total} over the group, but vocab_size = "
-                f"{vocab_size}"
-            )
-    else:
-        offset, v_total = given_layout(vocab_start_index, vocab_size, v_local)
-        widest = -(-v_total // world)
+    offset, v_total, widest = vocab_layout(
+        n, v_local, group, hidden.device, vocab_size, vocab_start_index
+    )
     if valid_vocab_size is not None:
         v_total = check_valid_vocab_size(valid_vocab_size, (v_total,))
         keep = v_total - offset
