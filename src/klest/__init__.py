@@ -47,6 +47,9 @@ from klest.logits import kl_from_hidden
 from klest.logits import kl_from_logits
 from klest.logits import kl_from_logits_vocab_parallel
 from klest.logits import kl_from_hidden_vocab_parallel
+from klest.logits import jsd_from_hidden_vocab_parallel
+from klest.logits import skew_kl_from_hidden_vocab_parallel
+from klest.logits import tv_from_hidden_vocab_parallel
 from klest.logits import skew_kl_from_logits
 from klest.logits import skew_kl_from_hidden
 from klest.logits import tv_from_logits
@@ -144,6 +147,7 @@ __all__ = [
     "icepop_mask",
     "iwae_bound",
     "jsd_from_hidden",
+    "jsd_from_hidden_vocab_parallel",
     "jsd_from_logits",
     "k1",
     "k2",
@@ -166,6 +170,7 @@ __all__ = [
     "renyi_bound",
     "set_default_validate",
     "skew_kl_from_hidden",
+    "skew_kl_from_hidden_vocab_parallel",
     "skew_kl_from_logits",
     "squared_log_ratio",
     "squared_prob_shift",
@@ -173,5 +178,6 @@ __all__ = [
     "topk_kl",
     "topk_tv",
     "tv_from_hidden",
+    "tv_from_hidden_vocab_parallel",
     "tv_from_logits",
 ]

@@ -765,7 +765,8 @@ for c in (every, pi_only, ref_only):
 dfwd = {"z_ptr": "*bf16", "y_ptr": "*fp32", "lse_a_ptr": "*fp32", "lse_b_ptr": "*fp32",
         "out_ptr": "*fp32", "stride_z": "i32", "stride_y": "i32", "N": "i32", "V": "i32",
         "inv_tau": "fp32", "w": "fp32", "c_q": "fp32", "c_p": "fp32", "keep_ptr": "*u8",
-        "KIND": "constexpr", "HAS_KEEP": "constexpr", "BLOCK_V": "constexpr"}
+        "KIND": "constexpr", "HAS_KEEP": "constexpr", "CLAMP": "constexpr",
+        "BLOCK_V": "constexpr"}
 dbwd = {"z_ptr": "*bf16", "y_ptr": "*fp32",
         **dict.fromkeys(("lse_a_ptr", "lse_b_ptr", "s_q_ptr", "s_p_ptr", "g_ptr"), "*fp32"),
         "dz_ptr": "*bf16", "dy_ptr": "*fp32",
@@ -774,7 +775,7 @@ dbwd = {"z_ptr": "*bf16", "y_ptr": "*fp32",
         **dict.fromkeys(("KIND", "NEED_DZ", "NEED_DY", "HAS_KEEP", "BLOCK_V"), "constexpr")}
 for kind, keep in ((0, True), (1, False)):
     jobs.append((dkern.divergence_fwd_kernel, dfwd,
-                 {"KIND": kind, "HAS_KEEP": keep, "BLOCK_V": 1024}))
+                 {"KIND": kind, "HAS_KEEP": keep, "CLAMP": keep, "BLOCK_V": 1024}))
     jobs.append((dkern.divergence_bwd_kernel, dbwd, {"KIND": kind, "NEED_DZ": True,
                  "NEED_DY": keep, "HAS_KEEP": keep, "BLOCK_V": 1024}))
 # The fused kernels (statistics and gradient in one launch), one block and several per row.

@@ -6,7 +6,8 @@ the rest is tested against), the row statistics and the chunked engine, the Trit
 :func:`kl_from_hidden` (fused with the LM head), :func:`kl_from_logits_vocab_parallel` and
 :func:`kl_from_hidden_vocab_parallel`
 (vocabulary shards over ``torch.distributed``); the generalized JSD, skew KL and total
-variation (:mod:`~klest.logits.divergences`); :func:`token_log_probs`, the sampled
+variation (:mod:`~klest.logits.divergences`, and from sharded heads
+:mod:`~klest.logits.vocab_parallel_divergences`); :func:`token_log_probs`, the sampled
 tokens' log-probs from logits, memory-bounded; and :func:`kl_from_topk`, the KL to a teacher
 known by its top-k log-probs (:mod:`~klest.logits.topk`); the weighted or routed KLs to several
 teachers (:mod:`~klest.logits.multi_teacher`).
@@ -27,6 +28,9 @@ from klest.logits.divergences import tv_from_logits
 from klest.logits.divergences import tv_from_hidden
 from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
 from klest.logits.vocab_parallel_hidden import kl_from_hidden_vocab_parallel
+from klest.logits.vocab_parallel_divergences import jsd_from_hidden_vocab_parallel
+from klest.logits.vocab_parallel_divergences import skew_kl_from_hidden_vocab_parallel
+from klest.logits.vocab_parallel_divergences import tv_from_hidden_vocab_parallel
 from klest.logits.sampled_log_probs import token_log_probs
 from klest.logits.topk import TopKDetails
 from klest.logits.topk import TopKEstimator
@@ -43,6 +47,7 @@ __all__ = [
     "TopKEstimator",
     "categorical_kl",
     "jsd_from_hidden",
+    "jsd_from_hidden_vocab_parallel",
     "jsd_from_logits",
     "kl_from_hidden",
     "kl_from_hidden_vocab_parallel",
@@ -52,8 +57,10 @@ __all__ = [
     "multi_teacher_kl_from_hidden",
     "multi_teacher_kl_from_logits",
     "skew_kl_from_hidden",
+    "skew_kl_from_hidden_vocab_parallel",
     "skew_kl_from_logits",
     "token_log_probs",
     "tv_from_hidden",
+    "tv_from_hidden_vocab_parallel",
     "tv_from_logits",
 ]

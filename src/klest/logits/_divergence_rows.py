@@ -75,7 +75,8 @@ def _log_mixture(la: Tensor, lb: Tensor, w: float) -> Tensor:
     return torch.logaddexp(la + math.log1p(-w), lb + math.log(w))
 
 
-def _value(div: Divergence, la: Tensor, lb: Tensor, q: Tensor, p: Tensor) -> Tensor:
+def _sum_terms(div: Divergence, la: Tensor, lb: Tensor, q: Tensor, p: Tensor) -> Tensor:
+    """The divergence's terms summed over the columns given (a shard's part can be < 0)."""
     if div.kind == "tv":
         return 0.5 * (q - p).abs().sum(-1)
     lm = _log_mixture(la, lb, div.w)
@@ -83,7 +84,11 @@ def _value(div: Divergence, la: Tensor, lb: Tensor, q: Tensor, p: Tensor) -> Ten
     for c, prob, logprob in ((div.c_q, q, la), (div.c_p, p, lb)):
         if c != 0.0:
             value = value + c * (prob * _where_support(prob, logprob - lm)).sum(-1)
-    return value.clamp_(min=0.0)
+    return value
+
+
+def _value(div: Divergence, la: Tensor, lb: Tensor, q: Tensor, p: Tensor) -> Tensor:
+    return _sum_terms(div, la, lb, q, p).clamp_(min=0.0)
 
 
 def _prob_grads(
@@ -276,3 +281,69 @@ def divergence_grads(
         q, p = la.exp(), lb.exp()
         _write_grads(div, la, lb, q, p, take(grad, sel), inv_tau, sel, dz, dy)
     return dz, dy
+
+
+def _given_normalizers(
+    z: Tensor, y: Tensor, lse_z: Tensor, lse_y: Tensor, inv_tau: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(log q, log p, q, p)`` of these columns for the whole rows' log-normalizers."""
+    dtype = work_dtype(z)
+    la = scaled(z, inv_tau, dtype) - lse_z.to(dtype).unsqueeze(1)
+    lb = scaled(y, inv_tau, dtype) - lse_y.to(dtype).unsqueeze(1)
+    return la, lb, la.exp(), lb.exp()
+
+
+def divergence_part(
+    z: Tensor,
+    y: Tensor,
+    div: Divergence,
+    lse_z: Tensor,
+    lse_y: Tensor,
+    *,
+    inv_tau: float,
+    backend: str = "torch",
+) -> Tensor:
+    """``[3, N]``: the divergence's terms, :math:`S_q` and :math:`S_p` summed over the columns
+    of ``z`` / ``y`` only, given the whole rows' ``lse_z`` / ``lse_y``: a vocabulary shard's
+    part of each sum (the parts over all shards add up to them; not clamped)."""
+    if backend == "triton":
+        return divergence_forward(
+            z, y, lse_z, lse_y, div, temperature=1.0 / inv_tau, clamp=False
+        ).to(work_dtype(z))
+    la, lb, q, p = _given_normalizers(z, y, lse_z, lse_y, inv_tau)
+    g_q, g_p = _prob_grads(div, la, lb, q, p)
+    s_q, s_p = (q * g_q).sum(-1), (p * g_p).sum(-1)
+    return torch.stack((_sum_terms(div, la, lb, q, p), s_q, s_p))
+
+
+def divergence_part_grads(
+    z: Tensor,
+    y: Tensor,
+    div: Divergence,
+    whole: Tensor,
+    grad: Tensor,
+    *,
+    inv_tau: float,
+    need_z: bool,
+    need_y: bool,
+    backend: str = "torch",
+) -> tuple[Tensor | None, Tensor | None]:
+    """``grad[n] * dD_n/dz`` and ``... /dy`` on the columns of ``z`` / ``y`` (a vocabulary
+    shard), given the whole rows' ``whole = (lse_z, lse_y, S_q, S_p)`` ``[4, N]``: the
+    gradient of a column needs only its own logits and these four numbers per row."""
+    lse_z, lse_y, s_q, s_p = whole.unbind(0)
+    if backend == "triton":
+        return divergence_backward(
+            z, y, lse_z, lse_y, s_q, s_p, grad.float(), div, temperature=1.0 / inv_tau,
+            need_grad_z=need_z, need_grad_y=need_y,
+        )  # fmt: skip
+    la, lb, q, p = _given_normalizers(z, y, lse_z, lse_y, inv_tau)
+    g_q, g_p = _prob_grads(div, la, lb, q, p)
+    scale = grad.to(q.dtype).unsqueeze(1) * inv_tau
+    out = []
+    for need, prob, g, s, t in ((need_z, q, g_q, s_q, z), (need_y, p, g_p, s_p, y)):
+        d = None
+        if need:
+            d = g.sub_(s.to(q.dtype).unsqueeze(1)).mul_(prob).mul_(scale).to(t.dtype)
+        out.append(d)
+    return out[0], out[1]

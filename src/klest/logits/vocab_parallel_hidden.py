@@ -43,7 +43,7 @@ from klest.logits.vocab_parallel import (
     vocab_layout,
 )
 
-__all__ = ["kl_from_hidden_vocab_parallel"]
+__all__ = ["SHARD_OPTIONS", "kl_from_hidden_vocab_parallel", "run_sharded_hidden"]
 
 
 @dataclass(frozen=True)
@@ -209,8 +209,73 @@ def kl_from_hidden_vocab_parallel(
       True
       >>> dist.destroy_process_group()
     """
+    options = {k: v for k, v in locals().items() if k in SHARD_OPTIONS}
+
+    def make_plan(inv_tau: float, resolved: str, chunk: int) -> _ShardKLPlan:
+        return _ShardKLPlan(inv_tau, return_details, resolved, chunk, direction, group=group)
+
+    return run_sharded_hidden(
+        "kl_from_hidden_vocab_parallel",
+        hidden,
+        weight,
+        hidden_ref,
+        weight_ref,
+        direction=direction,
+        make_plan=make_plan,
+        workspace=workspace_bytes_per_row,
+        **options,
+    )
+
+
+SHARD_OPTIONS = (
+    "bias",
+    "bias_ref",
+    "group",
+    "vocab_size",
+    "vocab_start_index",
+    "valid_vocab_size",
+    "reduce_hidden_grad",
+    "mask",
+    "reduction",
+    "temperature",
+    "labels",
+    "ignore_index",
+    "memory_budget",
+    "chunk_size",
+    "backend",
+    "stash",
+    "scale",
+    "cu_seqlens",
+    "max_seqlen",
+    "counts",
+    "validate",
+    "return_details",
+)
+"""The options of every vocab-parallel function from hidden states, passed on unchanged."""
+
+
+def run_sharded_hidden(
+    name: str,
+    hidden: Tensor,
+    weight: Tensor,
+    hidden_ref: Tensor | None,
+    weight_ref: Tensor | None,
+    *,
+    bias: Tensor | None,
+    bias_ref: Tensor | None,
+    group: Any,
+    vocab_size: int | None,
+    vocab_start_index: int | None,
+    valid_vocab_size: int | None,
+    reduce_hidden_grad: bool,
+    **options: Any,
+) -> Tensor | WithDetails[LogitsDetails]:
+    """Check the shards of both heads, find this rank's columns (``vocab_layout``), cut the
+    padding rows, and run :func:`klest.logits.from_hidden.run_hidden` on the shard (the plan
+    from ``options["make_plan"]`` merges each chunk over ``group``); ``name`` is the caller's,
+    for errors."""
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("kl_from_hidden_vocab_parallel needs an initialized torch.distributed")
+        raise RuntimeError(f"{name} needs an initialized torch.distributed")
     if hidden_ref is None or weight_ref is None:
         raise ValueError("give ref's hidden states and its head shard: hidden_ref, weight_ref")
     check_linear("", hidden, weight, bias)
@@ -234,10 +299,6 @@ def kl_from_hidden_vocab_parallel(
         hidden = _SumGradOver.apply(hidden, group)
         hidden_ref = _SumGradOver.apply(hidden_ref, group)
     shard = VocabShard(offset, weight.shape[0], v_total, widest)
-
-    def make_plan(inv_tau: float, resolved: str, chunk: int) -> _ShardKLPlan:
-        return _ShardKLPlan(inv_tau, return_details, resolved, chunk, direction, group=group)
-
     return run_hidden(
         hidden,
         weight,
@@ -246,23 +307,6 @@ def kl_from_hidden_vocab_parallel(
         logits_ref=None,
         bias=bias,
         bias_ref=bias_ref,
-        direction=direction,
-        mask=mask,
-        reduction=reduction,
-        temperature=temperature,
-        labels=labels,
-        ignore_index=ignore_index,
-        memory_budget=memory_budget,
-        chunk_size=chunk_size,
-        backend=backend,
-        cu_seqlens=cu_seqlens,
-        max_seqlen=max_seqlen,
-        counts=counts,
-        validate=validate,
-        return_details=return_details,
-        make_plan=make_plan,
-        workspace=workspace_bytes_per_row,
-        stash=stash,
-        scale=scale,
         shard=shard,
+        **options,
     )

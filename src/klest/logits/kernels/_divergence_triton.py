@@ -82,10 +82,12 @@ def divergence_fwd_kernel(
     keep_ptr,
     KIND: tl.constexpr,
     HAS_KEEP: tl.constexpr,
+    CLAMP: tl.constexpr,
     BLOCK_V: tl.constexpr,
 ):
-    """One row per program; ``out`` is a contiguous float32 ``[3, N]``: value, S_q, S_p. With
-    ``HAS_KEEP``, a row whose ``keep`` byte is 0 is not read and gets three zeros."""
+    """One row per program; ``out`` is a contiguous float32 ``[3, N]``: value (at least 0 with
+    ``CLAMP``; a vocabulary shard's part of a sum can be negative), S_q, S_p. With ``HAS_KEEP``,
+    a row whose ``keep`` byte is 0 is not read and gets three zeros."""
     row = tl.program_id(0).to(tl.int64)
     kept = True
     if HAS_KEEP:
@@ -93,7 +95,7 @@ def divergence_fwd_kernel(
     if kept:
         _fwd_row(
             z_ptr, y_ptr, lse_a_ptr, lse_b_ptr, out_ptr, row, stride_z, stride_y, N, V, inv_tau,
-            w, c_q, c_p, KIND, BLOCK_V,
+            w, c_q, c_p, KIND, CLAMP, BLOCK_V,
         )  # fmt: skip
     else:
         for k in tl.static_range(3):
@@ -103,7 +105,7 @@ def divergence_fwd_kernel(
 @triton.jit
 def _fwd_row(
     z_ptr, y_ptr, lse_a_ptr, lse_b_ptr, out_ptr, row, stride_z, stride_y, N, V, inv_tau,
-    w, c_q, c_p, KIND: tl.constexpr, BLOCK_V: tl.constexpr,
+    w, c_q, c_p, KIND: tl.constexpr, CLAMP: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
     """The forward kernel's work for one row."""
     cols = tl.arange(0, BLOCK_V)
@@ -124,7 +126,9 @@ def _fwd_row(
         s_q += q * g_q
         s_p += p * g_p
     total = tl.sum(value, axis=0)
-    tl.store(out_ptr + row, tl.where(total < 0.0, 0.0, total))
+    if CLAMP:
+        total = tl.where(total < 0.0, 0.0, total)
+    tl.store(out_ptr + row, total)
     tl.store(out_ptr + N + row, tl.sum(s_q, axis=0))
     tl.store(out_ptr + 2 * N + row, tl.sum(s_p, axis=0))
 

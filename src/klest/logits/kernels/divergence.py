@@ -73,6 +73,7 @@ def divergence_forward(
     block_v: int | None = None,
     num_warps: int | None = None,
     keep: Tensor | None = None,
+    clamp: bool = True,
 ) -> Tensor:
     r"""Per row: the divergence, :math:`S_q` and :math:`S_p` (module docstring), float32
     ``[3, N]``.
@@ -89,9 +90,11 @@ def divergence_forward(
       num_warps: warps per program (power of two, 1 to 32).
       keep: optional bool ``[N]`` on ``z``'s device: rows where it is False are not read and get
         zeros (as in ``kl_logits_forward``).
+      clamp: raise a negative value (rounding) to 0; False for the sums over a vocabulary
+        shard (given the whole rows' ``lse_z``, ``lse_y``), which add up to the divergence.
 
     Returns:
-      ``[3, N]`` float32: value (clamped at 0), :math:`S_q`, :math:`S_p`.
+      ``[3, N]`` float32: value (clamped at 0 with ``clamp``), :math:`S_q`, :math:`S_p`.
 
     Example:
       >>> from klest.logits.kernels import triton_available
@@ -113,7 +116,7 @@ def divergence_forward(
         _divergence_kernels().divergence_fwd_kernel[(n,)](
             z, y, lse_z, lse_y, out, z.stride(0), y.stride(0), n, v, 1.0 / tau,
             **consts, keep_ptr=out if keep is None else keep, HAS_KEEP=keep is not None,
-            BLOCK_V=bv, num_warps=resolve_num_warps(num_warps, bv),
+            CLAMP=bool(clamp), BLOCK_V=bv, num_warps=resolve_num_warps(num_warps, bv),
         )  # fmt: skip
     return out
 
