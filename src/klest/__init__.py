@@ -48,8 +48,11 @@ from klest.logits import kl_from_logits
 from klest.logits import kl_from_logits_vocab_parallel
 from klest.logits import kl_from_hidden_vocab_parallel
 from klest.logits import jsd_from_hidden_vocab_parallel
+from klest.logits import jsd_from_logits_vocab_parallel
 from klest.logits import skew_kl_from_hidden_vocab_parallel
+from klest.logits import skew_kl_from_logits_vocab_parallel
 from klest.logits import tv_from_hidden_vocab_parallel
+from klest.logits import tv_from_logits_vocab_parallel
 from klest.logits import skew_kl_from_logits
 from klest.logits import skew_kl_from_hidden
 from klest.logits import tv_from_logits
@@ -149,6 +152,7 @@ __all__ = [
     "jsd_from_hidden",
     "jsd_from_hidden_vocab_parallel",
     "jsd_from_logits",
+    "jsd_from_logits_vocab_parallel",
     "k1",
     "k2",
     "k3",
@@ -172,6 +176,7 @@ __all__ = [
     "skew_kl_from_hidden",
     "skew_kl_from_hidden_vocab_parallel",
     "skew_kl_from_logits",
+    "skew_kl_from_logits_vocab_parallel",
     "squared_log_ratio",
     "squared_prob_shift",
     "token_log_probs",
@@ -180,4 +185,5 @@ __all__ = [
     "tv_from_hidden",
     "tv_from_hidden_vocab_parallel",
     "tv_from_logits",
+    "tv_from_logits_vocab_parallel",
 ]

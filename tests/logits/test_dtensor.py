@@ -1,4 +1,5 @@
-"""DTensor logits: kl_from_logits and kl_penalty(logits=...) on a device mesh over gloo.
+"""DTensor logits: kl_from_logits, jsd_from_logits and kl_penalty(logits=...) on a device mesh
+over gloo; kl_from_hidden, tv_from_hidden and skew_kl_from_hidden on row-sharded DTensor heads.
 
 A 1-D mesh of 2 ranks shards the vocabulary (V even and odd: DTensor's uneven chunks); a 2-D
 (context, tensor) mesh of 4 ranks shards the positions over the first dimension and the
@@ -58,6 +59,12 @@ def _rank_v(v, mesh_shape):
     assert list(total.placements) == want, total.placements
     total.full_tensor().backward()
     results["sum"] = (total.full_tensor().detach(), zz.grad.to_local())
+    # the JSD dispatches the same way (a two-step merge over the vocabulary's mesh dimension)
+    zz = distribute_tensor(z, mesh, vocab).requires_grad_()
+    jsd = klest.jsd_from_logits(zz, distribute_tensor(y, mesh, vocab), beta=0.3, reduction="none")
+    assert list(jsd.placements) == positions, jsd.placements
+    (jsd * w).sum().full_tensor().backward()
+    results["jsd none"] = (jsd.full_tensor().detach(), zz.grad.to_local())
     # kl_penalty with DTensor logits: this rank's positions of plain log-probs.
     t_local = (
         slice(None) if len(mesh_shape) == 1 else _t_slice(mesh.get_local_rank("cp"), mesh_shape[0])
@@ -79,8 +86,12 @@ def _rank_v(v, mesh_shape):
     loss.sum().backward()
     results["penalty"] = (loss.detach(), lp.grad, zz.grad.to_local())
     if len(mesh_shape) == 1:  # heads sharded over their rows, replicated hidden states
-        results["hidden"] = _hidden_dtensor(mesh, v)
+        results["hidden"] = {stem: _hidden_dtensor(mesh, v, stem) for stem in HIDDEN}
     return results
+
+
+HIDDEN = {"kl": {}, "tv": {}, "skew_kl": {"alpha": 0.3}}
+"""Functions ``klest.<stem>_from_hidden`` run on DTensor heads, with their options."""
 
 
 def _hidden_inputs(v):
@@ -89,17 +100,18 @@ def _hidden_inputs(v):
     return [torch.randn(s, generator=g, dtype=torch.float64) for s in shapes]
 
 
-def _hidden_dtensor(mesh, v):
+def _hidden_dtensor(mesh, v, stem):
     h, w, h_ref, w_ref = _hidden_inputs(v)
     leaves = [
         distribute_tensor(h, mesh, [Replicate()]).requires_grad_(),
         distribute_tensor(w, mesh, [Shard(0)]).requires_grad_(),
     ]
-    kl = klest.kl_from_hidden(
+    kl = getattr(klest, f"{stem}_from_hidden")(
         *leaves,
         distribute_tensor(h_ref, mesh, [Replicate()]),
         distribute_tensor(w_ref, mesh, [Shard(0)]),
         reduction="token-mean",
+        **HIDDEN[stem],
     )
     assert list(kl.placements) == [Replicate()], kl.placements
     kl.full_tensor().backward()
@@ -123,6 +135,10 @@ def _single(v):
     total = klest.kl_from_logits(zz, y, reduction="sum")
     total.backward()
     out["sum"] = (total.detach(), zz.grad)
+    zz = z.clone().requires_grad_()
+    jsd = klest.jsd_from_logits(zz, y, beta=0.3, reduction="none")
+    (jsd * torch.arange(1.0, 1.0 + B * T, dtype=z.dtype).reshape(B, T)).sum().backward()
+    out["jsd none"] = (jsd.detach(), zz.grad)
     zz, lp = z.clone().requires_grad_(), logp.clone().requires_grad_()
     loss = klest.kl_penalty(
         lp, logp_ref, estimator="rb", grad="rb", logits=zz, logits_ref=y, reduction="none"
@@ -181,13 +197,15 @@ def test_one_dimensional_mesh_shards_the_vocabulary(tmp_path):
     results = run_ranks(_rank, 2, tmp_path, (2,), (8, 7))
     for v in (8, 7):
         _check(results, v, (2,))
+    for v, stem in ((v, stem) for v in (8, 7) for stem in HIDDEN):
         h, w, h_ref, w_ref = (t.requires_grad_(i < 2) for i, t in enumerate(_hidden_inputs(v)))
-        kl = klest.kl_from_hidden(h, w, h_ref, w_ref, reduction="token-mean")
+        fn = getattr(klest, f"{stem}_from_hidden")
+        kl = fn(h, w, h_ref, w_ref, reduction="token-mean", **HIDDEN[stem])
         d_h, d_w = torch.autograd.grad(kl, [h, w])
         rows = torch.arange(v).chunk(2)
         for rank, by_v in enumerate(results):
-            got, g_h, g_w = by_v[v]["hidden"]
-            what = f"hidden V={v} rank {rank}"
+            got, g_h, g_w = by_v[v]["hidden"][stem]
+            what = f"hidden {stem} V={v} rank {rank}"
             assert_close_to_rounding(got, kl.detach(), ulps=2 * VALUE_ULPS, what=what)
             tol = float(d_h.abs().max())
             assert_close_to_rounding(g_h, d_h, ulps=4 * GRAD_ULPS, scale=tol, what=what)

@@ -20,17 +20,20 @@ from klest.logits._stats import KLRowStats
 from klest.logits._call import LogitsDetails
 from klest.logits.dtensor import kl_from_logits
 from klest.logits.dtensor import kl_from_hidden
-from klest.logits.divergences import jsd_from_logits
-from klest.logits.divergences import jsd_from_hidden
-from klest.logits.divergences import skew_kl_from_logits
-from klest.logits.divergences import skew_kl_from_hidden
-from klest.logits.divergences import tv_from_logits
-from klest.logits.divergences import tv_from_hidden
+from klest.logits.dtensor import jsd_from_logits
+from klest.logits.dtensor import jsd_from_hidden
+from klest.logits.dtensor import skew_kl_from_logits
+from klest.logits.dtensor import skew_kl_from_hidden
+from klest.logits.dtensor import tv_from_logits
+from klest.logits.dtensor import tv_from_hidden
 from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
 from klest.logits.vocab_parallel_hidden import kl_from_hidden_vocab_parallel
 from klest.logits.vocab_parallel_divergences import jsd_from_hidden_vocab_parallel
+from klest.logits.vocab_parallel_divergences import jsd_from_logits_vocab_parallel
 from klest.logits.vocab_parallel_divergences import skew_kl_from_hidden_vocab_parallel
+from klest.logits.vocab_parallel_divergences import skew_kl_from_logits_vocab_parallel
 from klest.logits.vocab_parallel_divergences import tv_from_hidden_vocab_parallel
+from klest.logits.vocab_parallel_divergences import tv_from_logits_vocab_parallel
 from klest.logits.sampled_log_probs import token_log_probs
 from klest.logits.topk import TopKDetails
 from klest.logits.topk import TopKEstimator
@@ -49,6 +52,7 @@ __all__ = [
     "jsd_from_hidden",
     "jsd_from_hidden_vocab_parallel",
     "jsd_from_logits",
+    "jsd_from_logits_vocab_parallel",
     "kl_from_hidden",
     "kl_from_hidden_vocab_parallel",
     "kl_from_logits",
@@ -59,8 +63,10 @@ __all__ = [
     "skew_kl_from_hidden",
     "skew_kl_from_hidden_vocab_parallel",
     "skew_kl_from_logits",
+    "skew_kl_from_logits_vocab_parallel",
     "token_log_probs",
     "tv_from_hidden",
     "tv_from_hidden_vocab_parallel",
     "tv_from_logits",
+    "tv_from_logits_vocab_parallel",
 ]

@@ -46,6 +46,7 @@ from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails
 from klest.logits._call import (
     LogitsDetails,
+    Positions,
     check_plan_options,
     finish,
     gradient_in_forward,
@@ -197,6 +198,11 @@ class DivergencePlan:
             keep=keep,
         )
 
+    @property
+    def reads_saved_stats(self) -> bool:
+        """Whether :meth:`grads` reads the forward's statistics (else it recomputes them)."""
+        return self.backend == "triton"
+
     def outputs(self, out: Tensor) -> tuple[Tensor, ...]:
         """``(D, 0, 0, entropy, logp, logp_ref)``: the order of
         ``klest.logits._call.OUTPUTS``, the divergence as the value (no KLs)."""
@@ -261,8 +267,8 @@ class _RowsDivergence(torch.autograd.Function):
             ctx.save_for_backward(coef)
         else:
             out = plan.stats(z, y, labels, rows, keep)
-            # the row statistics are saved for the Triton backward (the PyTorch one recomputes)
-            ctx.save_for_backward(z, y, rows, keep, out if plan.backend == "triton" else None)
+            # the row statistics are saved for a backward that reads them (the Triton one)
+            ctx.save_for_backward(z, y, rows, keep, out if plan.reads_saved_stats else None)
         check_rows_have_distributions(*plan.lse(out), None, checks)
         ctx.plan = plan
         ctx.in_forward = coef is not None
@@ -340,7 +346,31 @@ def _from_logits(
         chunk=chunk_rows(bytes_per_row(z.shape[1]), z.device, memory_budget, chunk_size),
         backend=resolve_backend(backend, z),
     )
-    pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, logits.device, checks)
+    return run_rows(
+        z, y, pos.labels, pos, plan, checks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        counts=counts, scale=scale, stash=stash, overwrite_logits=overwrite_logits,
+    )  # fmt: skip
+
+
+def run_rows(
+    z: Tensor,
+    y: Tensor,
+    labels: Tensor | None,
+    pos: Positions,
+    plan: DivergencePlan,
+    checks: ValueChecks,
+    *,
+    cu_seqlens: Tensor | None,
+    max_seqlen: int | None,
+    counts: GlobalCounts | None,
+    scale: float | Tensor | None,
+    stash: bool | None,
+    overwrite_logits: bool,
+) -> Tensor | WithDetails[LogitsDetails]:
+    """The divergence of ``plan`` on the rows ``[N, V]`` of checked logits at the positions
+    ``pos`` (``labels``: in the plan's convention), gradient in the forward pass where
+    :func:`~klest.logits._call.gradient_in_forward` says so, reduced and shaped."""
+    pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, z.device, checks)
     pos = with_result(pos, scale=scale)
     grad_wanted = torch.is_grad_enabled() and (z.requires_grad or y.requires_grad)
     coef = None
@@ -348,7 +378,7 @@ def _from_logits(
         coef = value_coefficients(pos, z.shape[0], work_dtype(z), z.device)
     rows, flags = pos.selection(plan.backend)
     overwrite = bool(overwrite_logits)
-    outputs = _RowsDivergence.apply(z, y, pos.labels, rows, flags, coef, plan, overwrite, checks)
+    outputs = _RowsDivergence.apply(z, y, labels, rows, flags, coef, plan, overwrite, checks)
     checks.run()
     return finish(outputs, pos)
 

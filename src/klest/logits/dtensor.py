@@ -1,4 +1,5 @@
-r"""DTensor logits: the vocabulary-parallel KL over a device mesh, the other placements kept.
+r"""DTensor logits: the vocabulary-parallel KL (and JSD, skew KL, TV) over a device mesh, the
+other placements kept.
 
 torchtitan, NeMo-RL's DTensor policy and verl's torchtitan engine hold logits ``[..., V]`` as
 DTensors on a device mesh. A mesh dimension whose placement shards the vocabulary (``Shard`` of
@@ -24,6 +25,8 @@ from torch import Tensor
 
 from klest._checks import ValueChecks
 from klest._types import DEFAULT_REDUCTION
+from klest.logits import divergences
+from klest.logits import vocab_parallel_divergences as shards
 from klest.logits._sharded import is_dtensor
 from klest.logits.from_hidden import kl_from_hidden as kl_from_plain_hidden
 from klest.logits.from_logits import kl_from_logits as kl_from_plain_logits
@@ -32,12 +35,20 @@ from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel
 from klest.logits.vocab_parallel_hidden import kl_from_hidden_vocab_parallel
 
 __all__ = [
+    "hidden_on_dtensors",
     "is_dtensor",
+    "jsd_from_hidden",
+    "jsd_from_logits",
     "kl_dtensor",
     "kl_from_hidden",
     "kl_from_logits",
     "kl_hidden_dtensor",
+    "on_dtensors",
     "position_kls",
+    "skew_kl_from_hidden",
+    "skew_kl_from_logits",
+    "tv_from_hidden",
+    "tv_from_logits",
 ]
 
 
@@ -170,6 +181,7 @@ def kl_hidden_dtensor(
     reduction: str,
     counts: object,
     options: dict[str, Any],
+    name: str = "kl_from_hidden",
 ) -> Any:
     """The KL from DTensor hidden states and vocabulary-sharded DTensor heads: the heads' rows
     mesh dimension becomes ``vocab_parallel``'s group; the hidden states are replicated over it
@@ -177,7 +189,6 @@ def kl_hidden_dtensor(
     other mesh dimensions stay local; the result as in :func:`kl_dtensor`."""
     from torch.distributed.tensor import Partial, Replicate
 
-    name = "kl_from_hidden"
     if not all(is_dtensor(t) for t in (hidden, weight, hidden_ref, weight_ref)):
         raise TypeError(f"{name}: hidden, weight, hidden_ref and weight_ref must all be DTensors")
     vocab_dim = _head_vocab_dim(weight, "weight")
@@ -218,45 +229,79 @@ def kl_hidden_dtensor(
     return _as_dtensor(out, mesh, hidden.placements, vocab_dim, hidden.ndim)
 
 
-@functools.wraps(kl_from_plain_logits)
-def kl_from_logits(logits: Tensor, logits_ref: Tensor, **options: Any) -> Any:
-    if not (is_dtensor(logits) or is_dtensor(logits_ref)):
-        return kl_from_plain_logits(logits, logits_ref, **options)
-    reduction = options.pop("reduction", DEFAULT_REDUCTION)
-    counts = options.pop("counts", None)
-    return kl_dtensor(
-        logits,
-        logits_ref,
-        single=kl_from_plain_logits,
-        vocab_parallel=kl_from_logits_vocab_parallel,
-        reduction=reduction,
-        counts=counts,
-        options=options,
-    )
+def on_dtensors(plain: Callable[..., Any], vocab_parallel: Callable[..., Any]) -> Callable:
+    """``plain`` (a function of logits ``(logits, logits_ref, **options)``) taking DTensors too:
+    through :func:`kl_dtensor`, with ``vocab_parallel`` where a mesh dimension shards the
+    vocabulary. Plain tensors go to ``plain`` untouched."""
+
+    @functools.wraps(plain)
+    def call(logits: Tensor, logits_ref: Tensor, **options: Any) -> Any:
+        if not (is_dtensor(logits) or is_dtensor(logits_ref)):
+            return plain(logits, logits_ref, **options)
+        reduction = options.pop("reduction", DEFAULT_REDUCTION)
+        counts = options.pop("counts", None)
+        return kl_dtensor(
+            logits,
+            logits_ref,
+            single=plain,
+            vocab_parallel=vocab_parallel,
+            reduction=reduction,
+            counts=counts,
+            options=options,
+            name=plain.__name__,
+        )
+
+    return call
 
 
-@functools.wraps(kl_from_plain_hidden)
-def kl_from_hidden(
-    hidden: Tensor,
-    weight: Tensor,
-    hidden_ref: Tensor | None = None,
-    weight_ref: Tensor | None = None,
-    **options: Any,
-) -> Any:
-    if not (is_dtensor(hidden) and is_dtensor(weight)):  # an FSDP2 shard alone is refused there
-        return kl_from_plain_hidden(hidden, weight, hidden_ref, weight_ref, **options)
-    reduction = options.pop("reduction", DEFAULT_REDUCTION)
-    counts = options.pop("counts", None)
-    return kl_hidden_dtensor(
-        hidden,
-        weight,
-        hidden_ref,
-        weight_ref,
-        vocab_parallel=kl_from_hidden_vocab_parallel,
-        reduction=reduction,
-        counts=counts,
-        options=options,
-    )
+def hidden_on_dtensors(plain: Callable[..., Any], vocab_parallel: Callable[..., Any]) -> Callable:
+    """``plain`` (a function of hidden states and heads) taking DTensor hidden states with
+    vocabulary-sharded DTensor heads too, through :func:`kl_hidden_dtensor` and
+    ``vocab_parallel``. Anything else goes to ``plain`` (which refuses an FSDP2 shard alone)."""
+
+    @functools.wraps(plain)
+    def call(
+        hidden: Tensor,
+        weight: Tensor,
+        hidden_ref: Tensor | None = None,
+        weight_ref: Tensor | None = None,
+        **options: Any,
+    ) -> Any:
+        if not (is_dtensor(hidden) and is_dtensor(weight)):
+            return plain(hidden, weight, hidden_ref, weight_ref, **options)
+        reduction = options.pop("reduction", DEFAULT_REDUCTION)
+        counts = options.pop("counts", None)
+        return kl_hidden_dtensor(
+            hidden,
+            weight,
+            hidden_ref,
+            weight_ref,
+            vocab_parallel=vocab_parallel,
+            reduction=reduction,
+            counts=counts,
+            options=options,
+            name=plain.__name__,
+        )
+
+    return call
+
+
+kl_from_logits = on_dtensors(kl_from_plain_logits, kl_from_logits_vocab_parallel)
+kl_from_hidden = hidden_on_dtensors(kl_from_plain_hidden, kl_from_hidden_vocab_parallel)
+jsd_from_logits = on_dtensors(divergences.jsd_from_logits, shards.jsd_from_logits_vocab_parallel)
+jsd_from_hidden = hidden_on_dtensors(
+    divergences.jsd_from_hidden, shards.jsd_from_hidden_vocab_parallel
+)
+skew_kl_from_logits = on_dtensors(
+    divergences.skew_kl_from_logits, shards.skew_kl_from_logits_vocab_parallel
+)
+skew_kl_from_hidden = hidden_on_dtensors(
+    divergences.skew_kl_from_hidden, shards.skew_kl_from_hidden_vocab_parallel
+)
+tv_from_logits = on_dtensors(divergences.tv_from_logits, shards.tv_from_logits_vocab_parallel)
+tv_from_hidden = hidden_on_dtensors(
+    divergences.tv_from_hidden, shards.tv_from_hidden_vocab_parallel
+)
 
 
 def position_kls(

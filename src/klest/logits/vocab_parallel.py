@@ -22,6 +22,7 @@ none, since each shard's gradient is exact given the merged statistics (module
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,6 +33,7 @@ from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails
 from klest.logits._call import (
     LogitsDetails,
+    Positions,
     check_valid_vocab_size,
     finish,
     in_sequences,
@@ -41,7 +43,7 @@ from klest.logits._call import (
 from klest.logits._stats import KLRowStats
 from klest.logits.from_logits import rows_kl
 
-__all__ = ["VocabShard", "kl_from_logits_vocab_parallel"]
+__all__ = ["VocabShard", "kl_from_logits_vocab_parallel", "shard_logits"]
 
 
 def shard_layout(n: int, v_local: int, group, device: torch.device) -> tuple[int, int, int]:
@@ -96,6 +98,59 @@ def given_layout(start: object, vocab_size: object, v_local: int) -> tuple[int, 
             f"vocab_size={vocab_size}"
         )
     return start, vocab_size
+
+
+def shard_logits(
+    name: str,
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    group: Any,
+    vocab_size: int | None,
+    vocab_start_index: int | None,
+    valid_vocab_size: int | None,
+    direction: str,
+    mask: Tensor | None,
+    reduction: str,
+    temperature: float,
+    labels: Tensor | None,
+    ignore_index: int,
+    validate: bool | None,
+    details: bool,
+) -> tuple[Tensor, Tensor, Positions, float, VocabShard, Tensor | None, ValueChecks]:
+    """Check a vocab-parallel call on logit shards ``[..., V_r]`` (``name``: the caller, for
+    errors): ``(z, y, positions, T, shard, local labels, checks)``, with ``z``, ``y`` this
+    rank's ``[N, V_r]`` columns (padding beyond ``valid_vocab_size`` cut) and the labels in
+    the shard's convention (:meth:`VocabShard.local_labels`)."""
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(f"{name} needs an initialized torch.distributed")
+    logits, logits_ref = check_logits_pair(logits, logits_ref)
+    tau = check_temperature(temperature)
+    checks = ValueChecks(resolve_validate(validate))
+    v_local = logits.shape[-1]
+    z, y = logits.reshape(-1, v_local), logits_ref.reshape(-1, v_local)
+    offset, v_total, widest = vocab_layout(
+        z.shape[0], v_local, group, z.device, vocab_size, vocab_start_index
+    )
+    if valid_vocab_size is not None:
+        v_valid = check_valid_vocab_size(valid_vocab_size, (v_total,))
+        z, y = _valid_columns(z, y, v_valid - offset)
+        v_total = v_valid
+    pos = positions(
+        logits.shape[:-1],
+        logits.device,
+        direction=direction,
+        reduction=reduction,
+        mask=mask,
+        labels=labels,
+        vocab_size=v_total,
+        ignore_index=ignore_index,
+        details=details,
+        checks=checks,
+    )
+    shard = VocabShard(offset, z.shape[-1], v_total, widest)
+    local = None if pos.labels is None else shard.local_labels(pos.labels, ignore_index)
+    return z, y, pos, tau, shard, local, checks
 
 
 def _valid_columns(z: Tensor, y: Tensor, keep: int) -> tuple[Tensor, Tensor]:
@@ -248,36 +303,24 @@ def kl_from_logits_vocab_parallel(
       True
       >>> dist.destroy_process_group()
     """
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("kl_from_logits_vocab_parallel needs an initialized torch.distributed")
-    logits, logits_ref = check_logits_pair(logits, logits_ref)
-    tau = check_temperature(temperature)
-    checks = ValueChecks(resolve_validate(validate))
-    v_local = logits.shape[-1]
-    z, y = logits.reshape(-1, v_local), logits_ref.reshape(-1, v_local)
-    offset, v_total, _ = vocab_layout(
-        z.shape[0], v_local, group, z.device, vocab_size, vocab_start_index
-    )
-    if valid_vocab_size is not None:
-        v_valid = check_valid_vocab_size(valid_vocab_size, (v_total,))
-        z, y = _valid_columns(z, y, v_valid - offset)
-        v_local, v_total = z.shape[-1], v_valid
-    pos = positions(
-        logits.shape[:-1],
-        logits.device,
+    z, y, pos, tau, shard, local, checks = shard_logits(
+        "kl_from_logits_vocab_parallel",
+        logits,
+        logits_ref,
+        group=group,
+        vocab_size=vocab_size,
+        vocab_start_index=vocab_start_index,
+        valid_vocab_size=valid_vocab_size,
         direction=direction,
-        reduction=reduction,
         mask=mask,
+        reduction=reduction,
+        temperature=temperature,
         labels=labels,
-        vocab_size=v_total,
         ignore_index=ignore_index,
+        validate=validate,
         details=return_details,
-        checks=checks,
     )
-    local = owner = None
-    if pos.labels is not None:
-        local = VocabShard(offset, v_local, v_total, v_local).local_labels(pos.labels, ignore_index)
-        owner = (local >= 0) & (local < v_local)
+    owner = None if local is None else (local >= 0) & (local < shard.size)
     plan = plan_for(
         z,
         y,

@@ -1,9 +1,11 @@
-r"""Vocab-parallel generalized JSD, skew KL and total variation from hidden states.
+r"""Vocab-parallel generalized JSD, skew KL and total variation, from logits or hidden states.
 
-The divergences of :mod:`klest.logits.divergences` when each rank holds rows
-``[o_r, o_r + V_r)`` of both LM heads, as :func:`klest.kl_from_hidden_vocab_parallel` does for
-the KL. Unlike the KL, whose per-shard statistics merge in one step, these divergences need the
-whole rows' log-normalizers before any term can be summed (the mixture
+The divergences of :mod:`klest.logits.divergences` when each rank holds columns
+``[o_r, o_r + V_r)`` of both models' logits (as :func:`klest.kl_from_logits_vocab_parallel`
+does for the KL) or the same rows of both LM heads (as
+:func:`klest.kl_from_hidden_vocab_parallel`). Unlike the KL, whose per-shard statistics merge
+in one step, these divergences need the whole rows' log-normalizers before any term can be
+summed (the mixture
 :math:`m = w\,ref + (1-w)\,\pi` and :math:`|\pi_v - ref_v|` compare probabilities, not logits), so
 each chunk of rows merges in two phases:
 
@@ -17,9 +19,11 @@ each chunk of rows merges in two phases:
    adds the shards' parts.
 
 A column's gradient :math:`\tfrac g\tau\,q_v(G_{q,v} - S_q)` then needs only its own logits and
-the four merged numbers per row, so the backward has no collective, the heads' gradients are
-local and the hidden states' gradients are this shard's part of the sum over the vocabulary
-(summed by the engine's tensor-parallel region, or by ``reduce_hidden_grad=True``), as for the KL.
+the four merged numbers per row, so the backward has no collective: each rank's logits
+gradient is its columns'; from hidden states, the heads' gradients are local and the hidden
+states' gradients are this shard's part of the sum over the vocabulary (summed by the engine's
+tensor-parallel region, or by ``reduce_hidden_grad=True``), as for the KL. Every rank takes the
+same chunks of rows (planned for the widest shard), so the collectives pair up.
 """
 
 from __future__ import annotations
@@ -34,9 +38,15 @@ from torch import Tensor
 from klest._checks import check_direction
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails
-from klest.logits._call import LogitsDetails
-from klest.logits._divergence_rows import Divergence, divergence_part, divergence_part_grads
-from klest.logits._rows import row_stats
+from klest.logits._call import LogitsDetails, check_plan_options
+from klest.logits._chunking import chunks, put, put_rows, take, work_dtype
+from klest.logits._divergence_rows import (
+    ROW_OUTPUTS,
+    Divergence,
+    divergence_part,
+    divergence_part_grads,
+)
+from klest.logits._rows import chunk_rows, resolve_backend, row_stats, zeroed_rows_buffer
 from klest.logits._stats import KLRowStats
 from klest.logits.divergences import (
     TV,
@@ -44,9 +54,10 @@ from klest.logits.divergences import (
     bytes_per_row,
     check_unit_interval,
     jsd_divergence,
+    run_rows,
     skew_divergence,
 )
-from klest.logits.vocab_parallel import merge_shards
+from klest.logits.vocab_parallel import kl_from_logits_vocab_parallel, merge_shards, shard_logits
 from klest.logits.vocab_parallel_hidden import (
     SHARD_OPTIONS,
     kl_from_hidden_vocab_parallel,
@@ -55,8 +66,11 @@ from klest.logits.vocab_parallel_hidden import (
 
 __all__ = [
     "jsd_from_hidden_vocab_parallel",
+    "jsd_from_logits_vocab_parallel",
     "skew_kl_from_hidden_vocab_parallel",
+    "skew_kl_from_logits_vocab_parallel",
     "tv_from_hidden_vocab_parallel",
+    "tv_from_logits_vocab_parallel",
 ]
 
 _WHOLE_ROWS = slice(4, 8)
@@ -66,11 +80,19 @@ _WHOLE_ROWS = slice(4, 8)
 @dataclass(frozen=True)
 class _ShardDivergencePlan(DivergencePlan):
     """A divergence's row plan on a vocabulary shard: each chunk's statistics merged over
-    ``group`` in two phases (module docstring) before its gradient is made from them."""
+    ``group`` in two phases (module docstring) before its gradient is made from them. The
+    selected rows (``rows``: indices, or None for all) are taken in chunks of ``chunk``, the
+    same on every rank (planned for the widest shard), so the collectives pair up."""
 
     group: Any = None
+    reads_saved_stats = True  # the merged statistics: a shard cannot recompute them alone
 
-    def stats(self, z_c, y_c, labels, rows=None, keep=None) -> Tensor:
+    @staticmethod
+    def _rows(rows: Tensor | None, keep: Tensor | None) -> Tensor | None:
+        """The selected rows' indices (from the Triton engine's flags: one host read)."""
+        return keep.nonzero().view(-1) if keep is not None else rows
+
+    def _chunk_stats(self, z_c: Tensor, y_c: Tensor, labels: Tensor | None) -> Tensor:
         local = row_stats(
             z_c, y_c, inv_tau=self.inv_tau, labels=labels, rows=None,
             want_entropy=self.want_entropy, backend=self.backend, chunk=z_c.shape[0],
@@ -89,21 +111,56 @@ class _ShardDivergencePlan(DivergencePlan):
              whole.lse_z, whole.lse_y, s_q, s_p)
         )  # fmt: skip
 
+    def _chunk_grads(self, z_c, y_c, out_c, coef_c, need_z, need_y):
+        return divergence_part_grads(
+            z_c, y_c, self.div, out_c[_WHOLE_ROWS], coef_c, inv_tau=self.inv_tau,
+            need_z=need_z, need_y=need_y, backend=self.backend,
+        )  # fmt: skip
+
+    def _run(self, z, y, labels, rows, grad_of, need_z, need_y, into) -> Tensor:
+        """Every chunk's statistics (``saved``: taken from it, not computed) and, for the
+        upstream gradients ``grad_of`` (None: none), the gradients into ``into``."""
+        out = torch.zeros(len(ROW_OUTPUTS), z.shape[0], dtype=work_dtype(z), device=z.device)
+        for sel in chunks(z.shape[0], rows, self.chunk):
+            z_c, y_c = take(z, sel), take(y, sel)
+            out_c = self._chunk_stats(z_c, y_c, None if labels is None else take(labels, sel))
+            put(out, sel, out_c)
+            if grad_of is not None:
+                d = self._chunk_grads(z_c, y_c, out_c, take(grad_of, sel), need_z, need_y)
+                for target, d_c in zip(into, d, strict=True):
+                    if target is not None:
+                        put_rows(target, sel, d_c)
+        return out
+
+    def stats(self, z_c, y_c, labels, rows=None, keep=None) -> Tensor:
+        rows = self._rows(rows, keep)
+        return self._run(z_c, y_c, labels, rows, None, False, False, (None, None))
+
     def stats_grads(self, z_c, y_c, labels, coef, need_z, need_y, rows=None, keep=None,
                     overwrite=True):  # fmt: skip
-        out = self.stats(z_c, y_c, labels)
-        return (out, *self._grads(z_c, y_c, out, coef, need_z, need_y))
+        rows = self._rows(rows, keep)
+        into = (
+            zeroed_rows_buffer(z_c, rows, into=z_c if overwrite else None) if need_z else None,
+            zeroed_rows_buffer(y_c, rows, into=y_c if overwrite else None) if need_y else None,
+        )
+        out = self._run(z_c, y_c, labels, rows, coef, need_z, need_y, into)
+        return (out, *into)
 
     def grads(self, z_c, y_c, saved, grads, labels, need_z, need_y, rows=None, keep=None):
         if grads[0] is None:
             return None, None
-        return self._grads(z_c, y_c, saved, grads[0], need_z, need_y)
-
-    def _grads(self, z_c, y_c, out, coef, need_z, need_y):
-        return divergence_part_grads(
-            z_c, y_c, self.div, out[_WHOLE_ROWS], coef, inv_tau=self.inv_tau, need_z=need_z,
-            need_y=need_y, backend=self.backend,
-        )  # fmt: skip
+        rows = self._rows(rows, keep)
+        dz = zeroed_rows_buffer(z_c, rows) if need_z else None
+        dy = zeroed_rows_buffer(y_c, rows) if need_y else None
+        for sel in chunks(z_c.shape[0], rows, self.chunk):
+            d = self._chunk_grads(
+                take(z_c, sel), take(y_c, sel), take(saved.T, sel).T, take(grads[0], sel),
+                need_z, need_y,
+            )  # fmt: skip
+            for target, d_c in zip((dz, dy), d, strict=True):
+                if target is not None:
+                    put_rows(target, sel, d_c)
+        return dz, dy
 
 
 def _sharded(
@@ -128,8 +185,78 @@ def _sharded(
     )
 
 
-def _options(values: dict) -> dict:
-    return {name: values[name] for name in SHARD_OPTIONS}
+_LOGITS_SHARD_OPTIONS = (
+    "group",
+    "vocab_size",
+    "vocab_start_index",
+    "valid_vocab_size",
+    "mask",
+    "reduction",
+    "temperature",
+    "labels",
+    "ignore_index",
+    "memory_budget",
+    "chunk_size",
+    "backend",
+    "cu_seqlens",
+    "max_seqlen",
+    "counts",
+    "validate",
+    "return_details",
+)
+"""The options of the vocab-parallel functions from logits (those of
+:func:`klest.kl_from_logits_vocab_parallel`), passed on unchanged."""
+
+
+def _sharded_logits(
+    name: str,
+    div: Divergence,
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    group: Any,
+    vocab_size: int | None,
+    vocab_start_index: int | None,
+    valid_vocab_size: int | None,
+    mask: Tensor | None,
+    reduction: str,
+    temperature: float,
+    labels: Tensor | None,
+    ignore_index: int,
+    memory_budget: int | None,
+    chunk_size: int | None,
+    backend: str,
+    cu_seqlens: Tensor | None,
+    max_seqlen: int | None,
+    counts: GlobalCounts | None,
+    validate: bool | None,
+    return_details: bool,
+) -> Tensor | WithDetails[LogitsDetails]:
+    """``div`` over vocabulary shards of both models' logits."""
+    check_plan_options(backend, memory_budget, chunk_size)
+    z, y, pos, tau, shard, local, checks = shard_logits(
+        name, logits, logits_ref, group=group, vocab_size=vocab_size,
+        vocab_start_index=vocab_start_index, valid_vocab_size=valid_vocab_size,
+        direction="pi||ref",  # the divergence is output 0, where finish() reads KL(pi||ref)
+        mask=mask, reduction=reduction, temperature=temperature, labels=labels,
+        ignore_index=ignore_index, validate=validate, details=return_details,
+    )  # fmt: skip
+    plan = _ShardDivergencePlan(
+        div=div,
+        inv_tau=1.0 / tau,
+        want_entropy=return_details,
+        chunk=chunk_rows(bytes_per_row(shard.widest), z.device, memory_budget, chunk_size),
+        backend=resolve_backend(backend, z),
+        group=group,
+    )
+    return run_rows(
+        z, y, local, pos, plan, checks, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen,
+        counts=counts, scale=None, stash=None, overwrite_logits=False,
+    )  # fmt: skip
+
+
+def _options(values: dict, names: tuple[str, ...] = SHARD_OPTIONS) -> dict:
+    return {name: values[name] for name in names}
 
 
 def jsd_from_hidden_vocab_parallel(
@@ -381,3 +508,207 @@ def tv_from_hidden_vocab_parallel(
     options = _options(locals())
     name = "tv_from_hidden_vocab_parallel"
     return _sharded(name, TV, hidden, weight, hidden_ref, weight_ref, **options)
+
+
+def jsd_from_logits_vocab_parallel(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    beta: float,
+    group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    vocab_start_index: int | None = None,
+    valid_vocab_size: int | None = None,
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
+    r"""Exact per-position generalized JSD when both models' logits are sharded over the
+    vocabulary.
+
+    .. math::
+        JSD_\beta(\pi_n, ref_n) = \beta\, KL(ref_n\|m_n) + (1-\beta)\, KL(\pi_n\|m_n), \quad
+        m_n = \beta\, ref_n + (1-\beta)\,\pi_n,
+
+    :math:`\pi_n = \mathrm{softmax}(z_n/T)` and :math:`ref_n = \mathrm{softmax}(y_n/T)` over the
+    whole vocabulary, where this rank holds the columns ``[o_r, o_r + V_r)`` of ``z`` and ``y``,
+    ranks in order. Equal to :func:`klest.jsd_from_logits` on the whole logits (``beta`` as
+    there: TRL's and Liger-Kernel's; :math:`KL(ref\|\pi)` at 0 and :math:`KL(\pi\|ref)` at 1,
+    where this is :func:`klest.kl_from_logits_vocab_parallel`). Every rank returns the same
+    value and details and the gradient of its own columns. No samples: the exact per-position
+    term. Per chunk of rows, the KL's two collectives, then one ``all_reduce(SUM)`` of
+    ``[3, n_c]`` floats (module docstring); none in the backward.
+
+    See "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes"
+    (Agarwal et al., ICLR 2024, https://arxiv.org/abs/2306.13649) for the generalized JSD.
+
+    Args:
+      logits: this rank's shard of pi's (the student's) logits ``[..., V_r]``.
+      logits_ref: this rank's shard of ref's (the teacher's) logits, same shape.
+      beta: ref's weight in the mixture, in ``[0, 1]``.
+      group: the tensor-parallel process group (default: the world).
+      vocab_size: as in :func:`klest.kl_from_logits_vocab_parallel`.
+      vocab_start_index: as in :func:`klest.kl_from_logits_vocab_parallel`.
+      valid_vocab_size: as in :func:`klest.kl_from_logits_vocab_parallel`.
+      mask: bool ``[...]``, identical on every rank.
+      reduction: as in :func:`klest.jsd_from_logits`.
+      temperature: :math:`T > 0`.
+      labels: *global* token ids ``[...]``, identical on every rank.
+      ignore_index: the label of positions to leave out.
+      memory_budget: bytes of chunk workspace, planned for the widest shard (every rank runs
+        the same chunks and collectives).
+      chunk_size: rows per chunk, overriding ``memory_budget``.
+      backend: as in :func:`klest.jsd_from_logits`.
+      cu_seqlens, max_seqlen, counts: as in :func:`klest.kl_from_logits`.
+      validate: as in :func:`klest.jsd_from_logits` (the checks run after the merge).
+      return_details: also return a :class:`~klest.LogitsDetails`.
+
+    Returns:
+      As :func:`klest.jsd_from_logits`, replicated over the group.
+
+    Example:
+      One process holding the whole vocabulary (under ``torchrun`` each rank passes its shard):
+
+      >>> import tempfile, torch.distributed as dist
+      >>> store = tempfile.NamedTemporaryFile(delete=False).name
+      >>> dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+      >>> z, y = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+      >>> jsd = jsd_from_logits_vocab_parallel(z, y, beta=0.5)
+      >>> torch.allclose(jsd, klest.jsd_from_logits(z, y, beta=0.5))
+      True
+      >>> dist.destroy_process_group()
+    """
+    beta = check_unit_interval("beta", beta, open_low=False, open_high=False)
+    options = _options(locals(), _LOGITS_SHARD_OPTIONS)
+    if beta in (0.0, 1.0):
+        direction = "ref||pi" if beta == 0.0 else "pi||ref"
+        return kl_from_logits_vocab_parallel(logits, logits_ref, direction=direction, **options)
+    name = "jsd_from_logits_vocab_parallel"
+    return _sharded_logits(name, jsd_divergence(beta), logits, logits_ref, **options)
+
+
+def skew_kl_from_logits_vocab_parallel(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    alpha: float,
+    direction: Direction = "pi||ref",
+    group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    vocab_start_index: int | None = None,
+    valid_vocab_size: int | None = None,
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
+    r"""Exact per-position skew KL when both models' logits are sharded over the vocabulary.
+
+    .. math::
+        KL(\pi_n\|\alpha\pi_n + (1-\alpha)\, ref_n) \quad (\text{``pi||ref''}), \qquad
+        KL(ref_n\|\alpha\, ref_n + (1-\alpha)\,\pi_n) \quad (\text{``ref||pi''}),
+
+    with :math:`\pi_n`, :math:`ref_n` over the whole vocabulary from this rank's columns as in
+    :func:`jsd_from_logits_vocab_parallel`, for :math:`0 \le \alpha < 1` (:math:`\alpha = 0`:
+    the KL itself). Equal to :func:`klest.skew_kl_from_logits` on the whole logits, replicated
+    over the group; each rank gets its own columns' gradient. No samples.
+
+    See L. Lee, "Measures of Distributional Similarity" (ACL 1999) for the skew divergence.
+
+    Args:
+      logits: as in :func:`jsd_from_logits_vocab_parallel`.
+      logits_ref: as in :func:`jsd_from_logits_vocab_parallel`.
+      alpha: the first distribution's own weight in the mixture, in ``[0, 1)``.
+      direction: ``"pi||ref"`` or ``"ref||pi"`` (which distribution is skewed towards the
+        other).
+      group, vocab_size: as in :func:`jsd_from_logits_vocab_parallel`.
+      vocab_start_index, valid_vocab_size: as in :func:`jsd_from_logits_vocab_parallel`.
+      mask, reduction, temperature: as in :func:`jsd_from_logits_vocab_parallel`.
+      labels, ignore_index: as in :func:`jsd_from_logits_vocab_parallel`.
+      memory_budget, chunk_size, backend: as in :func:`jsd_from_logits_vocab_parallel`.
+      cu_seqlens, max_seqlen, counts: as in :func:`jsd_from_logits_vocab_parallel`.
+      validate, return_details: as in :func:`jsd_from_logits_vocab_parallel`.
+
+    Returns:
+      As :func:`klest.skew_kl_from_logits`, replicated over the group.
+    """
+    check_direction(direction)
+    alpha = check_unit_interval("alpha", alpha, open_low=False, open_high=True)
+    options = _options(locals(), _LOGITS_SHARD_OPTIONS)
+    if alpha == 0.0:
+        return kl_from_logits_vocab_parallel(logits, logits_ref, direction=direction, **options)
+    div = skew_divergence(alpha, direction)
+    return _sharded_logits("skew_kl_from_logits_vocab_parallel", div, logits, logits_ref, **options)
+
+
+def tv_from_logits_vocab_parallel(
+    logits: Tensor,
+    logits_ref: Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    vocab_size: int | None = None,
+    vocab_start_index: int | None = None,
+    valid_vocab_size: int | None = None,
+    mask: Tensor | None = None,
+    reduction: Reduction = DEFAULT_REDUCTION,
+    temperature: float = 1.0,
+    labels: Tensor | None = None,
+    ignore_index: int = -100,
+    memory_budget: int | None = None,
+    chunk_size: int | None = None,
+    backend: Backend = "auto",
+    cu_seqlens: Tensor | None = None,
+    max_seqlen: int | None = None,
+    counts: GlobalCounts | None = None,
+    validate: bool | None = None,
+    return_details: bool = False,
+) -> Tensor | WithDetails[LogitsDetails]:
+    r"""Exact per-position total variation when both models' logits are sharded over the
+    vocabulary.
+
+    .. math::
+        TV(\pi_n, ref_n) = \tfrac12 \textstyle\sum_{v=1}^{V} |\pi_{n,v} - ref_{n,v}|,
+
+    with :math:`\pi_n`, :math:`ref_n` over the whole vocabulary from this rank's columns as in
+    :func:`jsd_from_logits_vocab_parallel`. Equal to :func:`klest.tv_from_logits` on the whole
+    logits (its subgradient 0 at :math:`\pi_v = ref_v` included), replicated over the group;
+    each rank gets its own columns' gradient. No samples.
+
+    See A. B. Tsybakov, "Introduction to Nonparametric Estimation" (Springer, 2009, Chapter 2)
+    for the total variation distance.
+
+    Args:
+      logits: as in :func:`jsd_from_logits_vocab_parallel`.
+      logits_ref: as in :func:`jsd_from_logits_vocab_parallel`.
+      group, vocab_size: as in :func:`jsd_from_logits_vocab_parallel`.
+      vocab_start_index, valid_vocab_size: as in :func:`jsd_from_logits_vocab_parallel`.
+      mask, reduction, temperature: as in :func:`jsd_from_logits_vocab_parallel`.
+      labels, ignore_index: as in :func:`jsd_from_logits_vocab_parallel`.
+      memory_budget, chunk_size, backend: as in :func:`jsd_from_logits_vocab_parallel`.
+      cu_seqlens, max_seqlen, counts: as in :func:`jsd_from_logits_vocab_parallel`.
+      validate, return_details: as in :func:`jsd_from_logits_vocab_parallel`.
+
+    Returns:
+      As :func:`klest.tv_from_logits`, replicated over the group.
+    """
+    options = _options(locals(), _LOGITS_SHARD_OPTIONS)
+    return _sharded_logits("tv_from_logits_vocab_parallel", TV, logits, logits_ref, **options)
