@@ -36,6 +36,12 @@ CASES = [  # estimator, grad, direction, baseline, off-policy, reduction
     ("k1", "token", "pi||ref", "exact-kl+loo", False, "none"),
     ("k3", "cumulative", "pi||ref", "ema", False, "seq-mean-token-sum"),
 ]
+WEIGHTED = [  # with per-token weights of the objective (weights=), on-policy KL(pi||ref)
+    ("k1", "cumulative", "pi||ref", "loo", False, "seq-mean-token-sum"),
+    ("k3", "score", "pi||ref", None, False, "token-mean"),
+    ("rb", "rb", "pi||ref", "loo", False, "sum"),
+    ("k1", "token", "pi||ref", None, False, "none"),
+]
 
 
 def rank_columns(kind: str, length: int, rank: int) -> list[int]:
@@ -89,6 +95,11 @@ def call(case, z, y, w, tokens, mask, **kw):
         )
 
 
+def token_weights(shape):
+    """Positive weights, one per token, independent of the tokens."""
+    return 0.5 + torch.rand(shape, generator=make_generator(11), dtype=torch.float64)
+
+
 def counts_of(mask):
     return klest.GlobalCounts(mask.sum(), mask.any(-1).sum(), 1.0)
 
@@ -116,6 +127,15 @@ def _rank(rank: int, world: int):
             loss = call(case, zl, y[:, cols], w[:, cols], tokens[:, cols], mask[:, cols], **kw)
             (g,) = torch.autograd.grad(loss.sum(), zl)
             out[(kind, i)] = (loss.detach(), g)
+        weights = token_weights((B, T))[:, cols]
+        for i, case in enumerate(WEIGHTED):
+            zl = z[:, cols].clone().requires_grad_()
+            kw = {"context_parallel": cp, "weights": weights}
+            if case[-1] not in ("sum", "none"):
+                kw["counts"] = counts_of(mask)
+            loss = call(case, zl, y[:, cols], w[:, cols], tokens[:, cols], mask[:, cols], **kw)
+            (g,) = torch.autograd.grad(loss.sum(), zl)
+            out[(kind, "weighted", i)] = (loss.detach(), g)
         reward = klest.kl_reward(
             at(z[:, cols], tokens[:, cols]),
             at(y[:, cols], tokens[:, cols]),
@@ -139,6 +159,16 @@ def _rank(rank: int, world: int):
         loss = call(case, zl, py[idx], pw[idx], ptok[idx], pmask[idx], **kw)
         (g,) = torch.autograd.grad(loss.sum(), zl)
         out[("packed", i)] = (loss.detach(), g, idx)
+    weights = token_weights(sum(DOCS))[idx]
+    for i, case in enumerate(WEIGHTED):
+        zl = pz[idx].clone().requires_grad_()
+        kw = {"context_parallel": klest.ContextParallel(), "cu_seqlens": cu // C}
+        kw["weights"] = weights
+        if case[-1] not in ("sum", "none"):
+            kw["counts"] = klest.GlobalCounts(pmask.sum(), sum(n > 0 for n in DOCS), 1.0)
+        loss = call(case, zl, py[idx], pw[idx], ptok[idx], pmask[idx], **kw)
+        (g,) = torch.autograd.grad(loss.sum(), zl)
+        out[("packed", "weighted", i)] = (loss.detach(), g, idx)
     return out
 
 
@@ -191,6 +221,45 @@ def test_context_parallel_packed_documents_split_one_by_one(ranks):
             _close(grad, g[idx], f"packed {case} rank {r} gradient")
             total = total + (loss.sum() if case[-1] == "none" else loss)
         _close(total, whole.detach().sum(), f"packed {case} summed loss")
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "packed"])
+def test_context_parallel_with_token_weights(ranks, kind):
+    """weights= under context parallelism: each rank passes its tokens' weights; its loss and
+    gradient are its part of the single-process weighted call's (the same 1e-12 of the scale:
+    the weights are gathered with the other per-token inputs, only the sums' order differs)."""
+    if kind == "packed":
+        z, y, w, tokens, mask, cu = packed_inputs()
+        weights, extra = token_weights(sum(DOCS)), {"cu_seqlens": cu}
+        counts = klest.GlobalCounts(mask.sum(), sum(n > 0 for n in DOCS), 1.0)
+    else:
+        z, y, w, tokens, mask = batch()
+        weights, extra, counts = token_weights((B, T)), {}, counts_of(mask)
+    for i, case in enumerate(WEIGHTED):
+        zz = z.clone().requires_grad_()
+        kw = {**extra, "weights": weights}
+        if case[-1] not in ("sum", "none"):
+            kw["counts"] = counts
+        whole = call(case, zz, y, w, tokens, mask, **kw)
+        unweighted = call(case, z, y, w, tokens, mask, **{**kw, "weights": None})
+        assert not torch.allclose(whole.detach(), unweighted)  # the weights matter here
+        (g,) = torch.autograd.grad(whole.sum(), zz)
+        total = 0.0
+        for r in range(C):
+            if kind == "packed":
+                loss, grad, idx = ranks[r][("packed", "weighted", i)]
+                _close(grad, g[idx], f"packed weighted {case} rank {r} gradient")
+                total = total + loss.sum()
+                continue
+            loss, grad = ranks[r][(kind, "weighted", i)]
+            cols = rank_columns(kind, T, r)
+            _close(grad, g[:, cols], f"{kind} weighted {case} rank {r} gradient")
+            if case[-1] == "none":
+                _close(loss, whole.detach()[:, cols], f"{kind} weighted {case} rank {r} values")
+            else:
+                total = total + loss
+        if kind == "packed" or case[-1] != "none":
+            _close(total, whole.detach().sum(), f"{kind} weighted {case} summed loss")
 
 
 def test_context_parallel_refuses_what_has_no_per_rank_part():
