@@ -177,6 +177,21 @@ def ranks(tmp_path_factory):
     return run_ranks(_rank, C, tmp_path_factory.mktemp("cp"))
 
 
+def _check_rank_parts(what, whole, g, parts, *, per_token):
+    """Each rank's ``(loss, gradient, where)``: its gradient is the whole batch's at ``where``
+    (its tokens), and its loss is its part of the whole loss: the whole's values there
+    (``per_token``: reduction "none" on padded rows), else summed over the ranks."""
+    total = 0.0
+    for r, (loss, grad, where) in enumerate(parts):
+        _close(grad, g[where], f"{what} rank {r} gradient")
+        if per_token:
+            _close(loss, whole.detach()[where], f"{what} rank {r} values")
+        else:
+            total = total + loss.sum()
+    if not per_token:
+        _close(total, whole.detach().sum(), f"{what} summed loss")
+
+
 def _close(a, b, what):
     scale = max(float(b.abs().max()) if b.numel() else 0.0, 1.0)
     assert float((a - b).abs().max()) <= 1e-12 * scale, what
@@ -190,17 +205,8 @@ def test_context_parallel_ranks_add_up_to_the_whole_sequences(ranks, kind):
         kw = {} if case[-1] in ("sum", "none") else {"counts": counts_of(mask)}
         whole = call(case, zz, y, w, tokens, mask, **kw)
         (g,) = torch.autograd.grad(whole.sum(), zz)
-        total = 0.0
-        for r in range(C):
-            loss, grad = ranks[r][(kind, i)]
-            cols = rank_columns(kind, T, r)
-            _close(grad, g[:, cols], f"{kind} {case} rank {r} gradient")
-            if case[-1] == "none":
-                _close(loss, whole.detach()[:, cols], f"{kind} {case} rank {r} values")
-            else:
-                total = total + loss
-        if case[-1] != "none":
-            _close(total, whole.detach(), f"{kind} {case} summed loss")
+        parts = [(*ranks[r][(kind, i)], (slice(None), rank_columns(kind, T, r))) for r in range(C)]
+        _check_rank_parts(f"{kind} {case}", whole, g, parts, per_token=case[-1] == "none")
     want = klest.kl_reward(at(z, tokens), at(y, tokens), mask=mask, reward_to_go=True)
     for r in range(C):
         _close(ranks[r][(kind, "reward")], want[:, rank_columns(kind, T, r)], "reward-to-go")
@@ -215,12 +221,8 @@ def test_context_parallel_packed_documents_split_one_by_one(ranks):
             kw["counts"] = klest.GlobalCounts(pmask.sum(), sum(n > 0 for n in DOCS), 1.0)
         whole = call(case, zz, py, pw, ptok, pmask, **kw)
         (g,) = torch.autograd.grad(whole.sum(), zz)
-        total = 0.0
-        for r in range(C):
-            loss, grad, idx = ranks[r][("packed", i)]
-            _close(grad, g[idx], f"packed {case} rank {r} gradient")
-            total = total + (loss.sum() if case[-1] == "none" else loss)
-        _close(total, whole.detach().sum(), f"packed {case} summed loss")
+        parts = [ranks[r][("packed", i)] for r in range(C)]
+        _check_rank_parts(f"packed {case}", whole, g, parts, per_token=False)
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "packed"])
@@ -244,22 +246,15 @@ def test_context_parallel_with_token_weights(ranks, kind):
         unweighted = call(case, z, y, w, tokens, mask, **{**kw, "weights": None})
         assert not torch.allclose(whole.detach(), unweighted)  # the weights matter here
         (g,) = torch.autograd.grad(whole.sum(), zz)
-        total = 0.0
-        for r in range(C):
-            if kind == "packed":
-                loss, grad, idx = ranks[r][("packed", "weighted", i)]
-                _close(grad, g[idx], f"packed weighted {case} rank {r} gradient")
-                total = total + loss.sum()
-                continue
-            loss, grad = ranks[r][(kind, "weighted", i)]
-            cols = rank_columns(kind, T, r)
-            _close(grad, g[:, cols], f"{kind} weighted {case} rank {r} gradient")
-            if case[-1] == "none":
-                _close(loss, whole.detach()[:, cols], f"{kind} weighted {case} rank {r} values")
-            else:
-                total = total + loss
-        if kind == "packed" or case[-1] != "none":
-            _close(total, whole.detach().sum(), f"{kind} weighted {case} summed loss")
+        if kind == "packed":
+            parts = [ranks[r][("packed", "weighted", i)] for r in range(C)]
+        else:
+            parts = [
+                (*ranks[r][(kind, "weighted", i)], (slice(None), rank_columns(kind, T, r)))
+                for r in range(C)
+            ]
+        per_token = kind != "packed" and case[-1] == "none"
+        _check_rank_parts(f"{kind} weighted {case}", whole, g, parts, per_token=per_token)
 
 
 def test_context_parallel_refuses_what_has_no_per_rank_part():
