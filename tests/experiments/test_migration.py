@@ -22,7 +22,7 @@ import torch
 import klest
 from klest.cli import main
 from klest.experiments.migration import batch_of
-from klest.integrations.migration import OPTIONS, Batch, KLCall
+from klest.integrations.migration import IW_OPD_WEIGHTS, OPTIONS, Batch, KLCall, WeightRule
 from tests._figures import figures_checked
 from tests._stats import RATE, z_for
 
@@ -325,6 +325,13 @@ def test_docs_page_shows_every_option_call():
     for o in OPTIONS:
         for text in (o.call.text(o.reduction), o.intended.text()):
             assert f"`{text}`" in page, f"{o.key}: {text} not in docs/migration.md"
+
+
+def test_weight_rule_names_a_klest_function_and_only_for_kl_penalty():
+    with pytest.raises(ValueError, match="function must be one of"):
+        WeightRule("my_weights")
+    with pytest.raises(ValueError, match="weights= is a kl_penalty option"):
+        KLCall("kl_from_logits", (("direction", "pi||ref"),), IW_OPD_WEIGHTS)
 
 
 def test_batch_of_gives_equal_groups():
