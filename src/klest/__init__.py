@@ -76,6 +76,7 @@ from klest.sampled.baselines import group_baselines
 from klest.layout import cu_seqlens_from_position_ids
 from klest.layout import cu_seqlens_from_sequence_ids
 from klest.sampled.rewards import kl_reward
+from klest.sampled.token_weights import iw_opd_weights
 from klest.sampled.importance_weighted import iwae_bound
 from klest.sampled.importance_weighted import renyi_bound
 from klest.sampled.baselines import BaselineEMA
@@ -148,6 +149,7 @@ __all__ = [
     "get_default_validate",
     "group_baselines",
     "icepop_mask",
+    "iw_opd_weights",
     "iwae_bound",
     "jsd_from_hidden",
     "jsd_from_hidden_vocab_parallel",

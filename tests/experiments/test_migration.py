@@ -22,7 +22,7 @@ import torch
 import klest
 from klest.cli import main
 from klest.experiments.migration import batch_of
-from klest.integrations.migration import OPTIONS, Batch, KLCall
+from klest.integrations.migration import IW_OPD_WEIGHTS, OPTIONS, Batch, KLCall, WeightRule
 from tests._figures import figures_checked
 from tests._stats import RATE, z_for
 
@@ -174,6 +174,18 @@ def peer(key: str, batch: Batch):
         seq_lp = (lp * m).sum(-1)
         loss = (-torch.exp(seq_lp - seq_lp.detach()) * adv).mean()
         return kl.mean(), loss
+    if key == "trl-iw-opd":
+        # TRL's IWOPDTrainer: a = log teacher - log student (detached), weights from the running
+        # share of |a|, loss -log pi * w * a over the valid tokens' mean; the value is the
+        # weighted log-ratio, minus TRL's logged iw_opd/mean_advantage.
+        a = torch.where(m, lr - old, 0.0)
+        before = a.abs().cumsum(-1) - a.abs()
+        w = 1.0 + 0.5 * (1.0 - before / a.abs().sum(-1, keepdim=True).clamp_min(1e-8))
+        return aggregate(-w * a, m, "token-mean"), aggregate(-lp * w * a, m, "token-mean")
+    if key == "power-opd":  # the per-token advantage ((ref/pi)^alpha - 1)/alpha, alpha = 1/2
+        reward = (torch.exp(lr - old) ** 0.5 - 1.0) / 0.5
+        value = aggregate(k1(old, lr), m, "token-mean")
+        return value, policy_loss(reward, lp, m, "token-mean")
     if key.startswith("trl-distill"):
         direction = "ref||pi" if key.endswith("beta0") else "pi||ref"
         loss = aggregate(exact_kl(batch.logits, batch.logits_ref, direction), m, "token-mean")
@@ -289,6 +301,7 @@ def test_printed_call_runs_and_is_the_measured_call(call: KLCall):
         "prompt_ids": batch.group,
         "logits": batch.logits,
         "logits_ref": batch.logits_ref,
+        "iw_opd_weights": klest.iw_opd_weights,
     }
     for reduction in ("seq-mean-token-sum", "token-mean"):
         with warnings.catch_warnings(record=True) as caught:
@@ -312,6 +325,13 @@ def test_docs_page_shows_every_option_call():
     for o in OPTIONS:
         for text in (o.call.text(o.reduction), o.intended.text()):
             assert f"`{text}`" in page, f"{o.key}: {text} not in docs/migration.md"
+
+
+def test_weight_rule_names_a_klest_function_and_only_for_kl_penalty():
+    with pytest.raises(ValueError, match="function must be one of"):
+        WeightRule("my_weights")
+    with pytest.raises(ValueError, match="weights= is a kl_penalty option"):
+        KLCall("kl_from_logits", (("direction", "pi||ref"),), IW_OPD_WEIGHTS)
 
 
 def test_batch_of_gives_equal_groups():
@@ -398,6 +418,24 @@ def test_quick_mean_baseline_scales_the_gradient_by_one_minus_one_over_n(quick):
     seq = quick["gradients"]["score+mean"]["sequence"]
     assert abs(seq["coef_pi_ref"] - 0.75) <= Z_HOLD * seq["coef_pi_ref_se"]
     assert _z(seq, "pi||ref") > DETECT
+
+
+OPD_VARIANTS = {"trl-iw-opd": "IW-OPD's weights", "power-opd": "PowerOPD's power=0.5"}
+
+
+@pytest.mark.parametrize("key", list(OPD_VARIANTS))
+def test_quick_opd_variants_descend_no_kl(quick, key):
+    """IW-OPD's token weights (which read the later tokens) and PowerOPD's transformed reward
+    (per token the gradient of an alpha-divergence) give a mean gradient that is none of the
+    four KLs' (sequence-level or token-local, either direction): every statistic above DETECT
+    (the weakest in the quick run: IW-OPD against the token-local KL(pi||ref), 8.8; power=0.5
+    against the token-local KL(ref||pi), 10.4), and the row reads "biased"."""
+    row = next(r for r in quick["rows"] if r["key"] == key)
+    g = quick["gradients"][row["gradient_key"]]
+    for part in ("sequence", "token_local"):
+        for hypothesis in ("pi||ref", "ref||pi"):
+            assert _z(g[part], hypothesis) > DETECT, (key, part, hypothesis, g[part])
+    assert row["gradient"] == g["verdict"] == "biased", (OPD_VARIANTS[key], g["verdict"])
 
 
 def test_quick_rows_name_the_measured_verdicts(quick):

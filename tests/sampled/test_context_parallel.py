@@ -36,6 +36,12 @@ CASES = [  # estimator, grad, direction, baseline, off-policy, reduction
     ("k1", "token", "pi||ref", "exact-kl+loo", False, "none"),
     ("k3", "cumulative", "pi||ref", "ema", False, "seq-mean-token-sum"),
 ]
+WEIGHTED = [  # with per-token weights of the objective (weights=), on-policy KL(pi||ref)
+    ("k1", "cumulative", "pi||ref", "loo", False, "seq-mean-token-sum"),
+    ("k3", "score", "pi||ref", None, False, "token-mean"),
+    ("rb", "rb", "pi||ref", "loo", False, "sum"),
+    ("k1", "token", "pi||ref", None, False, "none"),
+]
 
 
 def rank_columns(kind: str, length: int, rank: int) -> list[int]:
@@ -89,6 +95,11 @@ def call(case, z, y, w, tokens, mask, **kw):
         )
 
 
+def token_weights(shape):
+    """Positive weights, one per token, independent of the tokens."""
+    return 0.5 + torch.rand(shape, generator=make_generator(11), dtype=torch.float64)
+
+
 def counts_of(mask):
     return klest.GlobalCounts(mask.sum(), mask.any(-1).sum(), 1.0)
 
@@ -116,6 +127,15 @@ def _rank(rank: int, world: int):
             loss = call(case, zl, y[:, cols], w[:, cols], tokens[:, cols], mask[:, cols], **kw)
             (g,) = torch.autograd.grad(loss.sum(), zl)
             out[(kind, i)] = (loss.detach(), g)
+        weights = token_weights((B, T))[:, cols]
+        for i, case in enumerate(WEIGHTED):
+            zl = z[:, cols].clone().requires_grad_()
+            kw = {"context_parallel": cp, "weights": weights}
+            if case[-1] not in ("sum", "none"):
+                kw["counts"] = counts_of(mask)
+            loss = call(case, zl, y[:, cols], w[:, cols], tokens[:, cols], mask[:, cols], **kw)
+            (g,) = torch.autograd.grad(loss.sum(), zl)
+            out[(kind, "weighted", i)] = (loss.detach(), g)
         reward = klest.kl_reward(
             at(z[:, cols], tokens[:, cols]),
             at(y[:, cols], tokens[:, cols]),
@@ -139,12 +159,37 @@ def _rank(rank: int, world: int):
         loss = call(case, zl, py[idx], pw[idx], ptok[idx], pmask[idx], **kw)
         (g,) = torch.autograd.grad(loss.sum(), zl)
         out[("packed", i)] = (loss.detach(), g, idx)
+    weights = token_weights(sum(DOCS))[idx]
+    for i, case in enumerate(WEIGHTED):
+        zl = pz[idx].clone().requires_grad_()
+        kw = {"context_parallel": klest.ContextParallel(), "cu_seqlens": cu // C}
+        kw["weights"] = weights
+        if case[-1] not in ("sum", "none"):
+            kw["counts"] = klest.GlobalCounts(pmask.sum(), sum(n > 0 for n in DOCS), 1.0)
+        loss = call(case, zl, py[idx], pw[idx], ptok[idx], pmask[idx], **kw)
+        (g,) = torch.autograd.grad(loss.sum(), zl)
+        out[("packed", "weighted", i)] = (loss.detach(), g, idx)
     return out
 
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     return run_ranks(_rank, C, tmp_path_factory.mktemp("cp"))
+
+
+def _check_rank_parts(what, whole, g, parts, *, per_token):
+    """Each rank's ``(loss, gradient, where)``: its gradient is the whole batch's at ``where``
+    (its tokens), and its loss is its part of the whole loss: the whole's values there
+    (``per_token``: reduction "none" on padded rows), else summed over the ranks."""
+    total = 0.0
+    for r, (loss, grad, where) in enumerate(parts):
+        _close(grad, g[where], f"{what} rank {r} gradient")
+        if per_token:
+            _close(loss, whole.detach()[where], f"{what} rank {r} values")
+        else:
+            total = total + loss.sum()
+    if not per_token:
+        _close(total, whole.detach().sum(), f"{what} summed loss")
 
 
 def _close(a, b, what):
@@ -160,17 +205,8 @@ def test_context_parallel_ranks_add_up_to_the_whole_sequences(ranks, kind):
         kw = {} if case[-1] in ("sum", "none") else {"counts": counts_of(mask)}
         whole = call(case, zz, y, w, tokens, mask, **kw)
         (g,) = torch.autograd.grad(whole.sum(), zz)
-        total = 0.0
-        for r in range(C):
-            loss, grad = ranks[r][(kind, i)]
-            cols = rank_columns(kind, T, r)
-            _close(grad, g[:, cols], f"{kind} {case} rank {r} gradient")
-            if case[-1] == "none":
-                _close(loss, whole.detach()[:, cols], f"{kind} {case} rank {r} values")
-            else:
-                total = total + loss
-        if case[-1] != "none":
-            _close(total, whole.detach(), f"{kind} {case} summed loss")
+        parts = [(*ranks[r][(kind, i)], (slice(None), rank_columns(kind, T, r))) for r in range(C)]
+        _check_rank_parts(f"{kind} {case}", whole, g, parts, per_token=case[-1] == "none")
     want = klest.kl_reward(at(z, tokens), at(y, tokens), mask=mask, reward_to_go=True)
     for r in range(C):
         _close(ranks[r][(kind, "reward")], want[:, rank_columns(kind, T, r)], "reward-to-go")
@@ -185,12 +221,40 @@ def test_context_parallel_packed_documents_split_one_by_one(ranks):
             kw["counts"] = klest.GlobalCounts(pmask.sum(), sum(n > 0 for n in DOCS), 1.0)
         whole = call(case, zz, py, pw, ptok, pmask, **kw)
         (g,) = torch.autograd.grad(whole.sum(), zz)
-        total = 0.0
-        for r in range(C):
-            loss, grad, idx = ranks[r][("packed", i)]
-            _close(grad, g[idx], f"packed {case} rank {r} gradient")
-            total = total + (loss.sum() if case[-1] == "none" else loss)
-        _close(total, whole.detach().sum(), f"packed {case} summed loss")
+        parts = [ranks[r][("packed", i)] for r in range(C)]
+        _check_rank_parts(f"packed {case}", whole, g, parts, per_token=False)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "packed"])
+def test_context_parallel_with_token_weights(ranks, kind):
+    """weights= under context parallelism: each rank passes its tokens' weights; its loss and
+    gradient are its part of the single-process weighted call's (the same 1e-12 of the scale:
+    the weights are gathered with the other per-token inputs, only the sums' order differs)."""
+    if kind == "packed":
+        z, y, w, tokens, mask, cu = packed_inputs()
+        weights, extra = token_weights(sum(DOCS)), {"cu_seqlens": cu}
+        counts = klest.GlobalCounts(mask.sum(), sum(n > 0 for n in DOCS), 1.0)
+    else:
+        z, y, w, tokens, mask = batch()
+        weights, extra, counts = token_weights((B, T)), {}, counts_of(mask)
+    for i, case in enumerate(WEIGHTED):
+        zz = z.clone().requires_grad_()
+        kw = {**extra, "weights": weights}
+        if case[-1] not in ("sum", "none"):
+            kw["counts"] = counts
+        whole = call(case, zz, y, w, tokens, mask, **kw)
+        unweighted = call(case, z, y, w, tokens, mask, **{**kw, "weights": None})
+        assert not torch.allclose(whole.detach(), unweighted)  # the weights matter here
+        (g,) = torch.autograd.grad(whole.sum(), zz)
+        if kind == "packed":
+            parts = [ranks[r][("packed", "weighted", i)] for r in range(C)]
+        else:
+            parts = [
+                (*ranks[r][(kind, "weighted", i)], (slice(None), rank_columns(kind, T, r)))
+                for r in range(C)
+            ]
+        per_token = kind != "packed" and case[-1] == "none"
+        _check_rank_parts(f"{kind} weighted {case}", whole, g, parts, per_token=per_token)
 
 
 def test_context_parallel_refuses_what_has_no_per_rank_part():

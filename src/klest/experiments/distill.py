@@ -105,6 +105,7 @@ from klest.experiments.small_lms import (
 from klest.logits import kl_from_logits
 from klest.sampled.estimators import kl_estimate
 from klest.sampled.penalty import KLGradientWarning, kl_penalty
+from klest.sampled.token_weights import iw_opd_weights
 
 PROMPT_WORDS = 2
 """Words of a teacher-style review after ``<bos>`` that make a prompt."""
@@ -138,7 +139,7 @@ class Method:
       sequence_level: its mean is the gradient of the sequence KL(pi||ref) (else the token-local
         gradient, prefixes held fixed, or with ``discount`` or ``iw_opd`` neither).
       discount: ``kl_penalty``'s ``discount=`` (``cumulative`` and ``rb``).
-      iw_opd: IW-OPD's gain g of the token weights (:func:`iw_opd_weights`), or None.
+      iw_opd: IW-OPD's gain g of the token weights (:func:`klest.iw_opd_weights`), or None.
     """
 
     name: str
@@ -160,7 +161,7 @@ class Method:
             return kl_from_logits(r.logits, r.logits_ref, mask=r.mask)
         weights = None
         if self.iw_opd is not None:
-            weights = iw_opd_weights(r.logp, r.logp_ref, r.mask, gain=self.iw_opd)
+            weights = iw_opd_weights(r.logp, r.logp_ref, mask=r.mask, gain=self.iw_opd)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", KLGradientWarning)  # token's bias is the point
             return kl_penalty(
@@ -176,18 +177,6 @@ class Method:
                 discount=self.discount,
                 weights=weights,
             )
-
-
-def iw_opd_weights(logp: Tensor, logp_ref: Tensor, mask: Tensor, *, gain: float) -> Tensor:
-    r"""IW-OPD's per-token weights ``[n, L]`` (detached), "Importance-Weighted On-Policy
-    Distillation" (arXiv 2606.22600) as TRL's experimental IW-OPD trainer computes them:
-    :math:`w_t = 1 + g\,(1 - \sum_{u<t}|\rho_u| / \max(\sum_u|\rho_u|, 10^{-8}))`, from
-    1 + g at the first token down to about 1 at the last, for the log-ratios
-    :math:`\rho_t` of the valid tokens (``mask``) of each completion."""
-    a = torch.where(mask, (logp - logp_ref).detach(), 0.0).abs()
-    before = a.cumsum(-1) - a
-    total = a.sum(-1, keepdim=True).clamp_min(1e-8)
-    return 1.0 + gain * (1.0 - before / total)
 
 
 METHODS: tuple[Method, ...] = (
@@ -589,7 +578,6 @@ __all__ = [
     "Method",
     "Rollout",
     "distill",
-    "iw_opd_weights",
     "prompts",
     "run",
 ]

@@ -21,6 +21,7 @@ Cotterell (NeurIPS 2025, https://arxiv.org/abs/2504.10637).
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -28,17 +29,20 @@ from torch import Tensor
 
 from klest.logits import kl_from_logits
 from klest.sampled.penalty import KLGradientWarning, kl_penalty
+from klest.sampled.token_weights import iw_opd_weights
 
 __all__ = [
     "AGGREGATIONS",
     "DISTILL_FIX",
     "DISTILL_FIX_REF",
+    "IW_OPD_WEIGHTS",
     "OPTIONS",
     "RL_FIX",
     "RL_FIX_K1",
     "Batch",
     "KLCall",
     "PeerOption",
+    "WeightRule",
 ]
 
 
@@ -64,10 +68,52 @@ class Batch(NamedTuple):
     logp_old: Tensor | None = None
 
 
+_WEIGHT_FUNCTIONS: dict[str, Callable[..., Tensor]] = {"iw_opd_weights": iw_opd_weights}
+"""The klest functions a :class:`WeightRule` may name, by their public names."""
+
+
+@dataclass(frozen=True)
+class WeightRule:
+    """How a call's per-token ``weights=`` are computed from the batch: the public klest
+    function ``function`` (``"iw_opd_weights"``) of the batch's log-probs and mask, with the
+    scalar keyword ``options``.
+
+    Example:
+      >>> rule = WeightRule("iw_opd_weights", (("gain", 0.5),))
+      >>> rule.text()
+      'iw_opd_weights(logp, logp_ref, mask=mask, gain=0.5)'
+    """
+
+    function: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.function not in _WEIGHT_FUNCTIONS:
+            raise ValueError(
+                f"function must be one of {sorted(_WEIGHT_FUNCTIONS)}, got {self.function!r}"
+            )
+
+    def __call__(self, batch: Batch) -> Tensor:
+        """The weights ``[B, T]`` of ``batch`` (detached)."""
+        compute = _WEIGHT_FUNCTIONS[self.function]
+        return compute(batch.logp, batch.logp_ref, mask=batch.mask, **dict(self.options))
+
+    def text(self) -> str:
+        """The call as a user writes it, on the names of :meth:`KLCall.text`."""
+        options = "".join(f", {k}={v!r}" for k, v in self.options)
+        return f"{self.function}(logp, logp_ref, mask=mask{options})"
+
+    def key(self) -> str:
+        """The rule and its options, without the tensors."""
+        return f"{self.function}({', '.join(f'{k}={v!r}' for k, v in self.options)})"
+
+
 @dataclass(frozen=True)
 class KLCall:
     """One klest call on a :class:`Batch`: ``function`` (``"kl_penalty"`` or
-    ``"kl_from_logits"``) with the keyword ``options`` other than tensors and the reduction.
+    ``"kl_from_logits"``) with the keyword ``options`` other than tensors and the reduction,
+    and, for ``kl_penalty``, the rule that computes its per-token ``weights=`` from the batch
+    (a :class:`WeightRule`; None: no weights).
 
     Example:
       >>> call = KLCall("kl_penalty", (("estimator", "k3"), ("grad", "autodiff")))
@@ -80,6 +126,11 @@ class KLCall:
 
     function: str
     options: tuple[tuple[str, Any], ...]
+    weights: WeightRule | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights is not None and self.function != "kl_penalty":
+            raise ValueError(f"weights= is a kl_penalty option, not {self.function}'s")
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -109,6 +160,7 @@ class KLCall:
                 logp_behavior=batch.logp_old,
                 logits=batch.logits if uses_logits else None,
                 logits_ref=batch.logits_ref if uses_logits else None,
+                weights=None if self.weights is None else self.weights(batch),
                 **kw,
             )
 
@@ -118,6 +170,8 @@ class KLCall:
         args = ["logits, logits_ref" if self.function == "kl_from_logits" else "logp, logp_ref"]
         args.append("mask=mask")
         args += [f'{k}="{v}"' if isinstance(v, str) else f"{k}={v!r}" for k, v in kw.items()]
+        if self.weights is not None:
+            args.append(f"weights={self.weights.text()}")
         if "baseline" in kw:
             args.append("group=prompt_ids")
         if self.function == "kl_penalty" and "rb" in (kw["estimator"], kw["grad"]):
@@ -138,6 +192,8 @@ class KLCall:
         for option in ("discount", "power"):  # they change the gradient
             if option in kw:
                 name += f";{option}={kw[option]:g}"
+        if self.weights is not None:
+            name += f";weights={self.weights.key()}"
         return name + ("" if self.direction == "pi||ref" else f", KL({self.direction})")
 
     def value_key(self) -> str:
@@ -145,12 +201,17 @@ class KLCall:
         if self.function == "kl_from_logits":
             return f"exact per-position KL({self.direction})"
         est = self.kwargs["estimator"]
+        if self.weights is not None:  # the weights weight the value's terms too
+            est += f";weights={self.weights.key()}"
         return est if self.direction == "pi||ref" else f"{est}, KL({self.direction})"
 
 
-def _penalty(estimator: str, grad: str, **options: str | float) -> KLCall:
+def _penalty(
+    estimator: str, grad: str, *, weights: WeightRule | None = None, **options: str | float
+) -> KLCall:
     """A :func:`klest.kl_penalty` call."""
-    return KLCall("kl_penalty", (("estimator", estimator), ("grad", grad), *options.items()))
+    items = (("estimator", estimator), ("grad", grad), *options.items())
+    return KLCall("kl_penalty", items, weights)
 
 
 def _exact(direction: str) -> KLCall:
@@ -193,6 +254,9 @@ DISTILL_FIX = _penalty("rb", "rb")
 grad="rb"``, from both models' logits)."""
 DISTILL_FIX_REF = _penalty("rb", "rb", direction="ref||pi")
 """The same for KL(ref||pi) (``direction="ref||pi"``)."""
+IW_OPD_WEIGHTS = WeightRule("iw_opd_weights", (("gain", 0.5),))
+"""IW-OPD's token weights with TRL's default gain (``iw_opd_gamma=0.5``):
+:func:`klest.iw_opd_weights`."""
 _VERL_KL = "verl/trainer/ppo/core_algos.py (kl_penalty)"
 _OPENRLHF_KL = "openrlhf/models/utils.py (compute_approx_kl)"
 _SLIME_KL = "slime/utils/ppo_utils.py (compute_approx_kl)"
@@ -247,6 +311,19 @@ OPTIONS: tuple[PeerOption, ...] = (
         "token-mean",
         DISTILL_FIX_REF,
         "0 < beta < 1 is a generalized Jensen-Shannon divergence, not a KL",
+    ),
+    PeerOption(
+        "trl-iw-opd",
+        "TRL",
+        "experimental IWOPDTrainer: distillation_objective='iw_opd', iw_opd_gamma=0.5 (defaults)",
+        "trl/experimental/iw_opd/iw_opd_trainer.py (IWOPDTrainer._compute_iw_opd_loss)",
+        _penalty("k1", "token", weights=IW_OPD_WEIGHTS),
+        "token-mean",
+        RL_FIX_K1,
+        "advantage w_t (log ref - log pi) per token, with IW-OPD's weights w_t = 1 + 0.5 (1 - "
+        "the share of the sequence's summed abs(log-ratio) before t): they read the later tokens; "
+        "the value is the weighted k1 (TRL logs its negative, iw_opd/mean_advantage); lmbda=1.0, "
+        "temperature=1.0",
     ),
     PeerOption(
         "verl-low-var-kl",
@@ -463,7 +540,21 @@ OPTIONS: tuple[PeerOption, ...] = (
         _penalty("k1", "cumulative", discount=0.9),
         "sum",
         RL_FIX_K1,
-        "the advantage is the sum of -beta k1 from the token on, discounted by 0.9 per token",
+        "the advantage is the sum of -beta k1 from the token on, discounted by 0.9 per token "
+        "(GAE-OPD's discounted return, arXiv 2606.22793, without its critic: no framework here "
+        "ships GAE-OPD itself)",
+    ),
+    PeerOption(
+        "power-opd",
+        "PowerOPD (paper)",
+        "per-token reward ((ref/pi)^alpha - 1)/alpha, alpha=0.5 (arXiv 2606.17199)",
+        "PowerOPD, arXiv 2606.17199 (no framework here ships it)",
+        _penalty("k1", "token", power=0.5),
+        "token-mean",
+        RL_FIX_K1,
+        "the per-token advantage of on-policy distillation with the log-ratio replaced by its "
+        "Box-Cox power transform, at most 1/alpha; the value is still k1; the aggregation is not "
+        "the paper's (token-mean assumed)",
     ),
 )
 """Every option in the table, in order."""

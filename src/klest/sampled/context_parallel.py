@@ -118,10 +118,11 @@ def local_columns(whole: Tensor, columns: Tensor) -> Tensor:
 
 
 def whole_sequences(
-    cp: ContextParallel, lr: LogRatios, kls: Tensor | None
-) -> tuple[LogRatios, Tensor | None, Tensor]:
+    cp: ContextParallel, lr: LogRatios, kls: Tensor | None, weights: Tensor | None = None
+) -> tuple[LogRatios, Tensor | None, Tensor, Tensor | None]:
     """This rank's validated log-ratios (and exact per-position KLs) as whole sequences, each
-    rank's tokens gathered in place, this rank's keeping their graph; and this rank's columns.
+    rank's tokens gathered in place, this rank's keeping their graph; this rank's columns; and
+    the objective's detached per-token ``weights`` rows (if given) as whole sequences.
 
     The whole sequences are rows of a padded layout (the caller's rows, ``size`` times as long);
     the sequence reductions run on the local columns (:func:`local_columns`).
@@ -135,12 +136,14 @@ def whole_sequences(
     fields = [lr.delta, valid.to(lr.delta.dtype)]
     fields += [] if lr.log_w is None else [lr.log_w]
     fields += [] if kls is None else [kls]
+    fields += [] if weights is None else [weights]
     gathered, columns = gather_rows(cp, torch.stack([f.detach() for f in fields]), lengths)
     parts = iter(gathered.unbind(0))
     delta = with_local(next(parts), lr.delta, columns)
     whole_valid = next(parts) != 0
     log_w = None if lr.log_w is None else with_local(next(parts), lr.log_w, columns)
     whole_kls = None if kls is None else with_local(next(parts), kls, columns)
+    whole_weights = None if weights is None else next(parts)
     logp = None if lr.logp is None else with_local(torch.zeros_like(delta), lr.logp, columns)
     layout = PaddedLayout(torch.Size((rows, delta.shape[-1])))
-    return LogRatios(delta, log_w, whole_valid, layout, logp), whole_kls, columns
+    return LogRatios(delta, log_w, whole_valid, layout, logp), whole_kls, columns, whole_weights

@@ -538,7 +538,6 @@ def check_objective_options(
     *,
     direction: str,
     level: str,
-    cp: object,
 ) -> float:
     """``discount`` in [0, 1] for the estimators that sum later tokens' terms; per-token
     ``weights`` for the sampled-token estimators of KL(pi||ref), at the token level."""
@@ -562,8 +561,6 @@ def check_objective_options(
         )
     if level == "sequence":
         raise ValueError("weights= weights tokens: use level='token'")
-    if cp is not None:
-        raise ValueError("weights= with context_parallel is not supported yet")
     return float(discount)
 
 
@@ -900,7 +897,9 @@ def kl_penalty(
         :math:`w_t(y_{\le t})` (``token``: the same with the prefixes fixed); where they read
         only the tokens before, :math:`w_t(y_{<t})`, it is the gradient of
         :math:`E_\pi[\sum_t w_t\rho_t]` (``rb``: only then). Weights that read later tokens
-        (IW-OPD's read the whole sequence's) bias both.
+        (IW-OPD's read the whole sequence's) bias both. With ``context_parallel``, each rank
+        passes its own tokens' weights (weights that read other ranks' tokens, such as
+        :func:`klest.iw_opd_weights`, computed on the whole sequences before the split).
       power: :math:`\alpha \ge 0`: the scores of ``score``, ``cumulative`` and ``token``
         (on-policy, KL(pi||ref)) are multiplied by the Box-Cox transformed rewards
         :math:`\rho^{(\alpha)}_t = (1 - (ref_t/\pi_t)^{\alpha})/\alpha` in place of
@@ -1016,9 +1015,7 @@ def kl_penalty(
         max_seqlen=max_seqlen,
     )
     check_counts(counts, reduction)
-    discount = check_objective_options(
-        est, discount, weights, direction=direction, level=level, cp=context_parallel
-    )
+    discount = check_objective_options(est, discount, weights, direction=direction, level=level)
     token_weights = None if weights is None else given_weights(weights, lr, checks)
     power = check_power(
         power, est, direction=direction, weights=weights, off_policy=logp_behavior is not None
@@ -1076,7 +1073,7 @@ def kl_penalty(
 
     local, columns = lr, None
     if context_parallel is not None:  # whole sequences, this rank's tokens with their graph
-        lr, kls, columns = whole_sequences(context_parallel, lr, kls)
+        lr, kls, columns, token_weights = whole_sequences(context_parallel, lr, kls, token_weights)
     # The value passes no gradient (decouple detaches it) unless it is the gradient (autodiff).
     with torch.set_grad_enabled(torch.is_grad_enabled() and grad == "autodiff"):
         value = estimate_rows(
@@ -1296,7 +1293,7 @@ def penalty_targets(
                 why="grad='rb'",
             )
         discount = check_objective_options(
-            est, discount, weights, direction=direction, level="token", cp=None
+            est, discount, weights, direction=direction, level="token"
         )
         token_weights = None if weights is None else given_weights(weights, lr, checks)
         power = check_power(

@@ -227,7 +227,7 @@ def kl_reward(
         checks.run()
         local, columns = ratios, None
         if reward_to_go and context_parallel is not None:  # sums to go over whole sequences
-            ratios, _, columns = whole_sequences(context_parallel, ratios, None)
+            ratios, _, columns, _ = whole_sequences(context_parallel, ratios, None)
         rows = per_token_values(ratios.delta, estimator, direction)
         if reward_to_go:
             rows = sum_from_here(rows) if gamma == 1.0 else discounted_sum_from_here(rows, gamma)
