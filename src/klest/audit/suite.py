@@ -9,8 +9,9 @@ and the log-prob of the sampled token. Here a :class:`~klest.testbeds.Categorica
 both models (its ``ref`` is the teacher, stored as its top-k), so each estimator's value and
 gradient are audited against the exact full KL and its exact gradient with
 :func:`~klest.audit.audit_value` and :func:`~klest.audit.audit_grad`: ``truncated`` and
-``truncated-raw`` are biased (what peers compute), ``tail-bucket`` is biased low (a lower
-bound), ``unbiased`` and ``unbiased-cv`` are unbiased in value and gradient.
+``truncated-raw`` are biased (what peers compute), ``generalized`` (the unnormalized KL of the
+measures restricted to the top-k) and ``tail-bucket`` are biased low (lower bounds, the first
+below the second), ``unbiased`` and ``unbiased-cv`` are unbiased in value and gradient.
 
 The trust region at the sampler (:func:`trust_region_audit_section`): divergences between a
 policy and the rollout policy that sampled its tokens (:mod:`klest.sampled.trust_region`), on
@@ -120,7 +121,14 @@ REPARAMETERIZED_GRAD_AUDIT = ("k1/pathwise", "k3/autodiff", "k3/adaptive")
 directions."""
 
 
-TOPK_AUDIT = ("truncated", "truncated-raw", "tail-bucket", "unbiased", "unbiased-cv")
+TOPK_AUDIT = (
+    "truncated",
+    "truncated-raw",
+    "generalized",
+    "tail-bucket",
+    "unbiased",
+    "unbiased-cv",
+)
 """The estimators of :func:`~klest.logits.topk.kl_from_topk` the audit suite checks."""
 
 
@@ -223,7 +231,8 @@ def _topk_section(*, quick: bool, seed: int, progress: bool, bar: Any) -> str:
     parts = [
         f"## Top-k distillation (`kl_from_topk`): the teacher known by its top {k} of "
         f"{testbed.logits.numel()} log-probs\n\n"
-        "`truncated*` are what peers compute (biased), `tail-bucket` a lower bound, "
+        "`truncated*` are what peers compute (biased), `generalized` and `tail-bucket` lower "
+        "bounds (deterministic: the first below the second), "
         "`unbiased*` unbiased in value and gradient.\n\n" + format_value_audits(values) + "\n"
     ]
     for direction in ("pi||ref", "ref||pi"):
