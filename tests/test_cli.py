@@ -131,6 +131,9 @@ def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys, monkeypatch
     must be within z of its standard errors of 0.875. z: Bonferroni at ``RATE`` (6.3e-5) over
     these 12 two-sided comparisons (10 @sequence rows, 2 coefficients): 4.55. Progress (by
     default, on a standard error that is not a terminal): a line per audit at interval 0.
+    The printed verdicts of the objective options' rows (``+value``, ``;weights=``) are what
+    their exact mean gradients say; each of their 5 null statistics exceeds the audit's 4.0
+    with probability 3.2e-5 (the alternatives are 8 to 45 there, in the commit message).
     """
     monkeypatch.setenv("KLEST_PROGRESS_INTERVAL", "0")
     assert main(["audit", "--quick"]) == 0
@@ -167,6 +170,20 @@ def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys, monkeypatch
         value_rows = [r[2] for r in rows if r[1].startswith("categorical")]
         grad_rows = [r[1] for r in rows if not r[1].startswith("categorical")]
         assert value_rows == grad_rows == ["KL(pi||ref)", "KL(ref||pi)"], (est, rows)
+    for row in _table_rows(text, "topk:generalized"):  # deterministic: exact verdicts
+        assert row[-1] in ("yes", "biased: neither KL"), row
+    # Rows of objective options (their exact mean gradients: tests/audit/test_core.py).
+    weighted = "E[Σ w·ρ] (w·ρ fixed)"
+    verdicts = {
+        "k1/cumulative+value": "descends KL(pi||ref)",
+        "k1/cumulative;weights=clipped-ratio": f"descends {weighted}, not KL(pi||ref)",
+        "k1/cumulative;weights=clipped-prefix-ratio": f"descends {weighted}, not KL(pi||ref)",
+        "rb/rb;weights=clipped-prefix-ratio": f"descends {weighted}, not KL(pi||ref)",
+        "rb/rb;weights=clipped-ratio": f"biased: neither KL; not {weighted}",
+    }
+    for spec, verdict in verdicts.items():
+        (row,) = _table_rows(text, spec)
+        assert row[-1].split(" (z(objective)")[0] == verdict, row
 
 
 def test_unknown_experiment_exits_with_a_message():

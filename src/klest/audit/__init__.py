@@ -18,6 +18,7 @@ from klest.audit.core import EstimatorSpec
 from klest.audit.core import GradAudit
 from klest.audit.core import GradSpec
 from klest.audit.core import ValueAudit
+from klest.audit.core import WEIGHT_RULES
 from klest.audit.core import audit_grad
 from klest.audit.core import audit_value
 from klest.audit.core import format_grad_audits
@@ -48,6 +49,7 @@ __all__ = [
     "TOPK_AUDIT",
     "TRUST_REGION_AUDIT",
     "VALUE_AUDIT",
+    "WEIGHT_RULES",
     "EstimateFn",
     "EstimatorSpec",
     "GradAudit",

@@ -108,10 +108,22 @@ GRAD_AUDIT_ONLY = {
         "k1/token;power=0.5",
         "k1/cumulative;power=0.5",
         "k1/token;power=1",
+        "k1/cumulative+value",
+        "k1/cumulative;weights=clipped-ratio",
+        "k1/cumulative;weights=clipped-prefix-ratio",
+        "rb/rb;weights=clipped-prefix-ratio",
+        "rb/rb;weights=clipped-ratio",
     ),
     "ref||pi": (),
 }
-"""Gradient estimators the suite checks on that policy for one claimed KL only, per direction."""
+"""Gradient estimators the suite checks on that policy for one claimed KL only, per direction.
+
+``+value`` is a critic's baseline passed as a tensor (the exact expected future KL from each
+prefix): unbiased. ``;weights=RULE`` weights each token's penalty
+(:data:`~klest.audit.WEIGHT_RULES`); the mean gradient is then also tested against the policy
+gradient of the weighted penalties held fixed (:meth:`~klest.audit.GradSpec.objective`), which
+``cumulative`` follows for either rule and ``rb``
+only for weights that read the tokens before their own."""
 GRAD_AUDIT = {direction: GRAD_AUDIT_BOTH + only for direction, only in GRAD_AUDIT_ONLY.items()}
 """Gradient estimators (:class:`~klest.audit.GradSpec` strings) the suite checks on a tabular
 autoregressive policy, per claimed direction: ``GRAD_AUDIT_BOTH`` then that direction's
