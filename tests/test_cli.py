@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from klest.audit import SEQUENCE_VALUE_AUDIT, TOPK_AUDIT, VALUE_AUDIT
+from klest.audit import SEQUENCE_VALUE_AUDIT, TOPK_AUDIT, VALUE_AUDIT, VARIATIONAL_AUDIT
 from klest.cli import _parser, main
 from tests._progress import assert_reports_every_unit
 from tests._stats import RATE, assert_failures_consistent, z_for
@@ -131,6 +131,10 @@ def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys, monkeypatch
     must be within z of its standard errors of 0.875. z: Bonferroni at ``RATE`` (6.3e-5) over
     these 12 two-sided comparisons (10 @sequence rows, 2 coefficients): 4.55. Progress (by
     default, on a standard error that is not a terminal): a line per audit at interval 0.
+    The printed verdicts of the objective options' rows (``+value``, ``;weights=``) and of the
+    variational bounds' are what their exact mean gradients say; each of their 17 null
+    statistics exceeds the audit's 4.0 with probability 3.2e-5 (the alternatives are 5 to 45
+    there, in the commit messages).
     """
     monkeypatch.setenv("KLEST_PROGRESS_INTERVAL", "0")
     assert main(["audit", "--quick"]) == 0
@@ -167,6 +171,36 @@ def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys, monkeypatch
         value_rows = [r[2] for r in rows if r[1].startswith("categorical")]
         grad_rows = [r[1] for r in rows if not r[1].startswith("categorical")]
         assert value_rows == grad_rows == ["KL(pi||ref)", "KL(ref||pi)"], (est, rows)
+    for row in _table_rows(text, "topk:generalized"):  # deterministic: exact verdicts
+        assert row[-1] in ("yes", "biased: neither KL"), row
+    # Rows of objective options (their exact mean gradients: tests/audit/test_core.py).
+    weighted = "E[Σ w·ρ] (w·ρ fixed)"
+    verdicts = {
+        "k1/cumulative+value": "descends KL(pi||ref)",
+        "k1/cumulative;weights=clipped-ratio": f"descends {weighted}, not KL(pi||ref)",
+        "k1/cumulative;weights=clipped-prefix-ratio": f"descends {weighted}, not KL(pi||ref)",
+        "rb/rb;weights=clipped-prefix-ratio": f"descends {weighted}, not KL(pi||ref)",
+        "rb/rb;weights=clipped-ratio": f"biased: neither KL; not {weighted}",
+    }
+    # The variational bounds: pathwise and DReG follow -E[bound] (the quadrature's gradient),
+    # STL only at K = 1; at the optimum STL's and DReG's encoder gradients are exactly 0.
+    for alpha, k in VARIATIONAL_AUDIT:
+        bound = f"IWAE_{k}" if alpha == 0.0 else f"L_{alpha:g},{k}"
+        name = "iwae" if alpha == 0.0 else f"renyi:{alpha:g}"
+        for grad in ("pathwise", "stl", "dreg"):
+            verdicts[f"{name}/{grad} K={k}"] = (
+                "descends KL(pi||ref)"
+                if k == 1
+                else f"biased: neither KL; not -E[{bound}]"
+                if grad == "stl"
+                else f"descends -E[{bound}], not KL(pi||ref)"
+            )
+    for spec, verdict in verdicts.items():
+        (row,) = [r for r in _table_rows(text, spec) if len(r) == 11]
+        assert row[-1].split(" (z(objective)")[0] == verdict, row
+    for grad, exact_zero in (("pathwise", False), ("stl", True), ("dreg", True)):
+        (row,) = [r for r in _table_rows(text, f"iwae/{grad} K=2") if len(r) == 4]
+        assert (row[1:3] == ["0", "0"]) == exact_zero, row
 
 
 def test_unknown_experiment_exits_with_a_message():

@@ -496,5 +496,99 @@ def test_grad_spec_options_reach_kl_penalty():
         g_got = torch.autograd.grad(got, testbed.parameters(), retain_graph=True)
         g_want = torch.autograd.grad(want, testbed.parameters(), retain_graph=True)
         assert torch.equal(got, want) and all(map(torch.equal, g_got, g_want))
-    with pytest.raises(ValueError, match="'discount=G' or 'power=A'"):
+    with pytest.raises(ValueError, match="'discount=G', 'power=A' or 'weights=RULE'"):
         GradSpec.parse("k1/cumulative;gamma=0.5")
+    with pytest.raises(ValueError, match="unknown weights 'nope'"):
+        GradSpec.parse("k1/cumulative;weights=nope")
+    with pytest.raises(ValueError, match="baseline 'value' is the exact expected future"):
+        GradSpec.parse("k3/cumulative+value").build("ref||pi", testbed)
+
+
+def _enumerated_mean_gradient(testbed, grad: str, **options) -> torch.Tensor:
+    """sum_y p(y) * the gradient of kl_penalty's surrogate on y: the exact mean gradient."""
+    tokens, valid = testbed.all_sequences()
+    s = testbed.evaluate(tokens)
+    prob = torch.where(valid, s.logp, 0.0).sum(-1).exp().detach()
+    rows = klest.kl_penalty(
+        s.logp,
+        s.logp_ref,
+        mask=valid,
+        grad=grad,
+        estimator="rb" if grad == "rb" else "k1",
+        logits=s.logits if grad == "rb" else None,
+        logits_ref=s.logits_ref if grad == "rb" else None,
+        reduction="per-sequence",
+        **options,
+    )
+    return torch.autograd.grad((prob * rows).sum(), testbed.logits)[0].reshape(-1)
+
+
+def test_weighted_and_value_baseline_rows_have_the_mean_gradients_their_verdicts_state():
+    """The suite's rows with ``;weights=RULE`` and ``+value``, exactly (every sequence of its
+    tabular testbed enumerated, no sampling): the rules are min(ref_t/pi_t, 2) and
+    min(prod_{u<t} ref_u/pi_u, 2) written out; GradSpec.objective is the policy gradient of the
+    fixed penalties sum_t w_t rho_t written out here; cumulative's mean gradient is it for both
+    rules, rb's for the prefix rule only (off by more than 1e-2 of its scale for the own-token
+    rule); with the future-KL baseline tensor, cumulative's mean gradient is the KL's. Each
+    built loss is the direct kl_penalty call's. Tolerance: sums of about 20 sequences of 4
+    positions, a few rounded factors each: 200 ulps of the largest entry."""
+    from klest.audit import WEIGHT_RULES
+    from klest.testbeds import TabularAutoregressive
+    from tests._tolerance import assert_close_to_rounding
+
+    testbed = TabularAutoregressive.random(3, 4, eos=2, seed=0, scale=0.7)
+    tokens, valid = testbed.all_sequences()
+    s = testbed.evaluate(tokens)
+    lp, lr = torch.where(valid, s.logp, 0.0), torch.where(valid, s.logp_ref, 0.0)
+    ratio = (lr - lp).detach().exp()
+    prefix = torch.cat([torch.ones_like(ratio[:, :1]), ratio.cumprod(1)[:, :-1]], 1)
+    rules = {"clipped-ratio": ratio.clamp(max=2), "clipped-prefix-ratio": prefix.clamp(max=2)}
+    kl_grad = torch.cat([g.reshape(-1) for g in testbed.exact_kl_grad("pi||ref")]).double()
+    batch = testbed.sample(6, generator=make_generator(0))
+    for rule, w in rules.items():
+        w = torch.where(valid, w, 0.0)
+        got_w = WEIGHT_RULES[rule](s.logp.detach(), s.logp_ref, valid)
+        assert_close_to_rounding(got_w, w, ulps=16, what=rule)
+        policy = (lp.sum(-1).exp() * (w * (lp - lr).detach()).sum(-1)).sum()
+        want = torch.autograd.grad(policy, testbed.logits, retain_graph=True)[0].reshape(-1)
+        label, objective = GradSpec.parse(f"k1/cumulative;weights={rule}").objective(testbed)
+        assert label == "E[Σ w·ρ] (w·ρ fixed)"
+        assert_close_to_rounding(objective, want, ulps=200, what=f"objective {rule}")
+        cumulative = _enumerated_mean_gradient(testbed, "cumulative", weights=w)
+        assert_close_to_rounding(cumulative, want, ulps=200, what=f"cumulative {rule}")
+        rb = _enumerated_mean_gradient(testbed, "rb", weights=w)
+        if rule == "clipped-prefix-ratio":
+            assert_close_to_rounding(rb, want, ulps=200, what=f"rb {rule}")
+        else:
+            assert (rb - want).abs().max() > 1e-2 * want.abs().max()
+        assert (want - kl_grad).abs().max() > 1e-2 * kl_grad.abs().max()  # not the KL's
+        for grad in ("cumulative", "rb"):
+            spec = GradSpec.parse(f"{'k1' if grad == 'cumulative' else 'rb'}/{grad};weights={rule}")
+            got = spec.build("pi||ref", testbed)(batch)
+            direct = klest.kl_penalty(
+                batch.logp,
+                batch.logp_ref,
+                mask=batch.mask,
+                estimator=spec.value,
+                grad=grad,
+                logits=batch.logits if grad == "rb" else None,
+                logits_ref=batch.logits_ref if grad == "rb" else None,
+                weights=WEIGHT_RULES[rule](batch.logp.detach(), batch.logp_ref, batch.mask),
+            )
+            g_got = torch.autograd.grad(got, testbed.logits, retain_graph=True)[0]
+            g_want = torch.autograd.grad(direct, testbed.logits, retain_graph=True)[0]
+            assert torch.equal(got, direct) and torch.equal(g_got, g_want), spec
+    baseline = testbed.future_kl(tokens)
+    valued = _enumerated_mean_gradient(testbed, "cumulative", baseline=baseline)
+    assert_close_to_rounding(valued, kl_grad, ulps=200, what="cumulative+value")
+    got = GradSpec.parse("k1/cumulative+value").build("pi||ref", testbed)(batch)
+    direct = klest.kl_penalty(
+        batch.logp,
+        batch.logp_ref,
+        mask=batch.mask,
+        estimator="k1",
+        grad="cumulative",
+        baseline=testbed.future_kl(batch.x),
+    )
+    g_got = torch.autograd.grad(got, testbed.logits, retain_graph=True)[0]
+    assert torch.equal(g_got, torch.autograd.grad(direct, testbed.logits)[0])

@@ -174,6 +174,23 @@ def test_tabular_exact_kl_matches_slow_recursion(case, direction):
     assert float(tb.exact_kl(direction).detach()) == pytest.approx(expected, rel=1e-10)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_future_kl_is_the_expected_kl_from_each_prefix(case):
+    """future_kl at position t of every sequence is the slow recursion's expected KL(pi||ref)
+    from the prefix y_<t (0 after an eos); at t = 0 it is the sequence KL. Tolerance: both sum
+    the same at most V^T products in another order, at the KL's scale: 1e-10 relative."""
+    tb = TabularAutoregressive.random(**case, seed=3, scale=1.2)
+    tokens, valid = tb.all_sequences()
+    got = tb.future_kl(tokens)
+    a, b = tb.logits.detach(), tb.logits_ref.detach()
+    for row, seq in enumerate(tokens.tolist()):
+        for t in range(tb.horizon):
+            alive = valid is None or bool(valid[row, t])
+            want = slow_kl(tb, a, b, tuple(seq[:t])) if alive else 0.0
+            assert float(got[row, t]) == pytest.approx(want, rel=1e-10, abs=1e-12), (seq, t)
+    assert float(got[0, 0]) == pytest.approx(float(tb.exact_kl().detach()), rel=1e-10)
+
+
 @pytest.mark.parametrize("direction", DIRECTIONS)
 def test_markov_dynamic_programming_equals_enumeration(direction):
     tb = TabularAutoregressive.random(3, 5, eos=2, markov=True, seed=6)

@@ -47,6 +47,7 @@ from klest.sampled.terms import per_token_values
 from klest.testbeds.base import Sample, Testbed, make_generator
 
 __all__ = [
+    "WEIGHT_RULES",
     "EstimateFn",
     "EstimatorSpec",
     "GradAudit",
@@ -329,16 +330,45 @@ def format_value_audits(audits: list[ValueAudit]) -> str:
 # -- gradients ------------------------------------------------------------------------------
 
 
+def _masked(x: Tensor, mask: Tensor | None) -> Tensor:
+    return x if mask is None else torch.where(mask, x, torch.zeros_like(x))
+
+
+def _clipped_ratio(logp: Tensor, logp_ref: Tensor, mask: Tensor | None) -> Tensor:
+    """``min(ref_t / pi_t, 2)``: reads the token's own log-probs."""
+    return _masked(torch.exp((logp_ref - logp).clamp(max=math.log(2.0))), mask)
+
+
+def _clipped_prefix_ratio(logp: Tensor, logp_ref: Tensor, mask: Tensor | None) -> Tensor:
+    """``min(prod_{u<t} ref_u / pi_u, 2)``: reads only the tokens before its own (1 at t = 0)."""
+    log_ratio = _masked(logp_ref - logp, mask).cumsum(-1) - _masked(logp_ref - logp, mask)
+    return _masked(torch.exp(log_ratio.clamp(max=math.log(2.0))), mask)
+
+
+WEIGHT_RULES: dict[str, Callable[[Tensor, Tensor, Tensor | None], Tensor]] = {
+    "clipped-ratio": _clipped_ratio,
+    "clipped-prefix-ratio": _clipped_prefix_ratio,
+}
+r"""Per-token weight rules of :class:`GradSpec` (``;weights=RULE``), functions of the detached
+log-probs ``[n, T]`` and the mask: ``clipped-ratio``, :math:`w_t = \min(ref_t/\pi_t, 2)` (reads
+the token itself), and ``clipped-prefix-ratio``, :math:`w_t = \min(\prod_{u<t}
+ref_u/\pi_u, 2)` (reads only the tokens before it)."""
+
+
 @dataclass(frozen=True)
 class GradSpec:
     """A value/gradient pair for :func:`klest.kl_penalty`: ``"k3/cumulative+loo"``, ``"rb/rb"``.
 
-    Syntax: ``VALUE/GRAD[+BASELINE][;discount=G][;power=A]`` where VALUE is a value estimator
-    (``cv:0.5`` allowed), GRAD a gradient estimator and BASELINE ``loo``, ``mean``,
-    ``loo-fitted``, ``ema`` (a :class:`~klest.BaselineEMA`), ``loo-ema`` (a
-    :class:`~klest.LooScaleEMA`), ``exact-kl`` or ``exact-kl+loo``
-    (``"k3/cumulative+exact-kl+loo"``); an EMA lives as long as the built loss. ``discount`` and
-    ``power`` are :func:`klest.kl_penalty`'s (``"k1/cumulative;discount=0.5"``).
+    Syntax: ``VALUE/GRAD[+BASELINE][;discount=G][;power=A][;weights=RULE]`` where VALUE is a
+    value estimator (``cv:0.5`` allowed), GRAD a gradient estimator and BASELINE ``loo``,
+    ``mean``, ``loo-fitted``, ``ema`` (a :class:`~klest.BaselineEMA`), ``loo-ema`` (a
+    :class:`~klest.LooScaleEMA`), ``exact-kl``, ``exact-kl+loo``
+    (``"k3/cumulative+exact-kl+loo"``) or ``value``: a critic's baseline passed as a tensor,
+    here the testbed's exact expected future KL(pi||ref) from each prefix (its ``future_kl``;
+    for ``score``, from the empty prefix: the KL); an EMA lives as long as the built loss.
+    ``discount`` and ``power`` are :func:`klest.kl_penalty`'s (``"k1/cumulative;discount=0.5"``);
+    ``weights`` names a rule of per-token weights :math:`w_t` of the objective
+    (:data:`WEIGHT_RULES`), passed as ``kl_penalty(weights=...)``.
     """
 
     value: str
@@ -347,18 +377,24 @@ class GradSpec:
     alpha: float | str | None = None
     discount: float = 1.0
     power: float = 0.0
+    weights: str | None = None
 
     @classmethod
     def parse(cls, spec: str) -> GradSpec:
         spec, *settings = spec.split(";")
-        options = {}
+        options: dict = {}
         for setting in settings:
-            key, eq, number = setting.partition("=")
-            if not eq or key not in ("discount", "power"):
+            key, eq, arg = setting.partition("=")
+            if not eq or key not in ("discount", "power", "weights"):
                 raise ValueError(
-                    f"gradient spec option {setting!r} must be 'discount=G' or 'power=A'"
+                    f"gradient spec option {setting!r} must be 'discount=G', 'power=A' or "
+                    "'weights=RULE'"
                 )
-            options[key] = float(number)
+            if key == "weights":
+                check_choice("weights", arg, tuple(WEIGHT_RULES))
+                options[key] = arg
+            else:
+                options[key] = float(arg)
         value_part, sep, grad_part = spec.partition("/")
         if not sep:
             raise ValueError(f"gradient spec {spec!r} must look like 'k3/cumulative[+loo]'")
@@ -370,7 +406,7 @@ class GradSpec:
         grad, _, baseline = grad_part.partition("+")
         check_choice("grad", grad, tuple(GRADIENT_ESTIMATORS))
         if baseline:
-            check_choice("baseline", baseline, (*get_args(Baseline), "ema", "loo-ema"))
+            check_choice("baseline", baseline, (*get_args(Baseline), "ema", "loo-ema", "value"))
         return cls(value, grad, baseline or None, alpha, **options)
 
     def label(self) -> str:
@@ -380,10 +416,47 @@ class GradSpec:
             label += f";discount={self.discount:g}"
         if self.power != 0.0:
             label += f";power={self.power:g}"
+        if self.weights is not None:
+            label += f";weights={self.weights}"
         return label
 
-    def build(self, direction: str) -> Callable[[Sample], Tensor]:
-        """A function from a batch to the scalar loss whose gradient is audited."""
+    def objective(self, testbed: Testbed) -> tuple[str, Tensor] | None:
+        r"""The objective a weighted spec's mean gradient is claimed to follow, and its exact
+        gradient over ``testbed.parameters()`` (flattened), by enumerating every sequence.
+
+        With per-token weights :math:`w_t` (``;weights=RULE``) the claim is the policy gradient
+        of the weighted penalties held fixed, :math:`\nabla_{\theta'} E_{y\sim\pi_{\theta'}}
+        [\sum_t w_t\rho_t]` (``score`` and ``cumulative``; for weights that read only the tokens
+        before their own it is also the gradient of :math:`E_\pi[\sum_t w_t\rho_t]`, which
+        ``rb`` follows then). None without weights, or on a testbed that cannot enumerate its
+        sequences (``all_sequences``).
+        """
+        if self.weights is None or not hasattr(testbed, "all_sequences"):
+            return None
+        tokens, valid = testbed.all_sequences()
+        with torch.enable_grad():
+            s = testbed.evaluate(tokens)
+            logp = s.logp if valid is None else torch.where(valid, s.logp, 0.0)
+            w = WEIGHT_RULES[self.weights](s.logp.detach(), s.logp_ref, valid)
+            rho = logp - (s.logp_ref if valid is None else torch.where(valid, s.logp_ref, 0.0))
+            total = (logp.sum(-1).exp() * (w * rho.detach()).sum(-1)).sum()
+            grads = torch.autograd.grad(total, testbed.parameters(), allow_unused=True)
+        flat = [
+            (torch.zeros_like(p) if g is None else g).reshape(-1).double()
+            for g, p in zip(grads, testbed.parameters(), strict=True)
+        ]
+        return "E[Σ w·ρ] (w·ρ fixed)", torch.cat(flat)
+
+    def build(self, direction: str, testbed: Testbed | None = None) -> Callable[[Sample], Tensor]:
+        """A function from a batch to the scalar loss whose gradient is audited (``testbed``:
+        where the samples come from, for ``+value``)."""
+        if self.baseline == "value" and (
+            direction != "pi||ref" or not hasattr(testbed, "future_kl")
+        ):
+            raise ValueError(
+                "baseline 'value' is the exact expected future KL(pi||ref): it needs "
+                "direction='pi||ref' and a testbed with future_kl (TabularAutoregressive)"
+            )
         baseline: object = self.baseline
         if self.baseline == "ema":
             baseline = BaselineEMA()
@@ -394,6 +467,15 @@ class GradSpec:
         uses_logits = "rb" in (self.value, self.grad) or self.baseline in EXACT_KL_BASELINES
 
         def loss(sample: Sample) -> Tensor:
+            given: object = baseline
+            if self.baseline == "value":
+                future = testbed.future_kl(sample.x)  # type: ignore[union-attr]
+                given = future[:, 0] if self.grad == "score" else future
+            weights = None
+            if self.weights is not None:
+                weights = WEIGHT_RULES[self.weights](
+                    sample.logp.detach(), sample.logp_ref, sample.mask
+                )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", KLGradientWarning)  # the audit measures it
                 return kl_penalty(
@@ -405,7 +487,7 @@ class GradSpec:
                     and GRADIENT_ESTIMATORS[self.grad].samples != "sampled",
                     density=sample.density,
                     grad=self.grad,
-                    baseline=baseline,
+                    baseline=given,
                     direction=direction,
                     alpha=alpha,
                     logits=sample.logits if uses_logits else None,
@@ -414,6 +496,7 @@ class GradSpec:
                     logp_behavior=sample.logp_behavior,
                     discount=self.discount,
                     power=self.power,
+                    weights=weights,
                 )
 
         return loss
@@ -430,6 +513,10 @@ class GradAudit:
     vector (the exact gradient of the target KL, of the other KL, or zero); values above
     ``z_threshold`` reject it; ``variance`` is 0 for deterministic draws. ``coef_*`` regress
     the mean gradient on the two exact gradients (None when those are nearly parallel).
+
+    ``objective`` names a third exact gradient the mean was tested against (an objective that
+    is not a KL: a weighted penalty, a variational bound), ``z_objective`` its statistic; both
+    None without one.
 
     ``mean_grad`` (the mean of the draws), ``bias`` (``mean_grad`` minus the exact gradient of
     the claimed KL) and ``se`` (the standard error of each coordinate of ``mean_grad``,
@@ -461,6 +548,8 @@ class GradAudit:
     mean_grad: Tensor = field(repr=False, compare=False)
     bias: Tensor = field(repr=False, compare=False)
     se: Tensor = field(repr=False, compare=False)
+    objective: str | None = None
+    z_objective: float | None = None
 
     def as_dict(self) -> dict:
         """All fields, the vectors as lists (JSON-able)."""
@@ -621,6 +710,7 @@ def audit_grad(
     z_threshold: float = 4.0,
     progress: bool = False,
     name: str | None = None,
+    objective: tuple[str, Tensor] | None = None,
 ) -> GradAudit:
     r"""Audit a gradient estimator against the exact gradients of both KLs on ``testbed``.
 
@@ -647,6 +737,10 @@ def audit_grad(
       z_threshold: a statistic above this rejects the corresponding hypothesis.
       progress: show a progress bar.
       name: label for a function estimator.
+      objective: ``(label, gradient)``: a third hypothesis, the exact gradient ``[n_params]``
+        (flattened over ``testbed.parameters()``) of an objective that is not a KL; the verdict
+        then says whether the mean gradient follows it. None: a spec's own
+        (:meth:`GradSpec.objective`), if any.
 
     Returns:
       A :class:`GradAudit`.
@@ -662,8 +756,10 @@ def audit_grad(
     check_direction(direction)
     other = "ref||pi" if direction == "pi||ref" else "pi||ref"
     spec = GradSpec.parse(estimator) if isinstance(estimator, str) else None
-    fn = spec.build(direction) if spec is not None else estimator
+    fn = spec.build(direction, testbed) if spec is not None else estimator
     label = spec.label() if spec is not None else (name or getattr(fn, "__name__", "estimator"))
+    if objective is None and spec is not None:
+        objective = spec.objective(testbed)
     draws = gradient_draws(
         fn,
         testbed,
@@ -679,8 +775,11 @@ def audit_grad(
     }
     target = exact[direction]
     mean, bias, variance, mse = _grad_stats(draws, target)
-    zs = _mean_shift_zs(draws, [target, exact[other], torch.zeros_like(target)])
-    z = dict(zip(("target", "other", "zero"), zs, strict=True))
+    targets = [target, exact[other], torch.zeros_like(target)]
+    if objective is not None:
+        targets.append(objective[1].reshape(-1).double())
+    zs = _mean_shift_zs(draws, targets)
+    z = dict(zip(("target", "other", "zero", "objective"), zs, strict=False))
     coefs, ses = _regress_on_exact(draws, exact["pi||ref"], exact["ref||pi"])
     return GradAudit(
         estimator=label,
@@ -704,10 +803,12 @@ def audit_grad(
         coef_pi_ref_se=ses[0],
         coef_ref_pi=coefs[1],
         coef_ref_pi_se=ses[1],
-        verdict=_verdict(z, z_threshold, direction),
+        verdict=_verdict(z, z_threshold, direction, None if objective is None else objective[0]),
         mean_grad=mean.detach(),
         bias=bias.detach(),
         se=(draws.std(0) / math.sqrt(n_trials)).detach() * (variance > 0),
+        objective=None if objective is None else objective[0],
+        z_objective=z.get("objective"),
     )
 
 
@@ -747,12 +848,22 @@ def _regress_on_exact(
     return (coefs[0], coefs[1]), (ses[0], ses[1])
 
 
-def _verdict(z: dict[str, float], threshold: float, direction: str) -> str:
+def _verdict(
+    z: dict[str, float], threshold: float, direction: str, objective: str | None = None
+) -> str:
     """Which KL the mean gradient follows, from the ``z`` statistics of "the mean gradient is the
     exact gradient of the claimed KL" (``"target"``), "... of the other KL" (``"other"``) and
-    "... is zero" (``"zero"``); a statistic above ``threshold`` rejects its hypothesis."""
-    other = "ref||pi" if direction == "pi||ref" else "pi||ref"
+    "... is zero" (``"zero"``); a statistic above ``threshold`` rejects its hypothesis. With an
+    ``objective`` (``z["objective"]``: "... of that objective"), whether it follows that."""
     ok = {key: value <= threshold for key, value in z.items()}
+    if objective is not None:
+        kl = _verdict(z, threshold, direction)
+        if ok["objective"] and ok["target"]:
+            return kl  # the objective's gradient and the KL's are indistinguishable here
+        if ok["objective"]:
+            return f"descends {objective}, not KL({direction})"
+        return f"{kl}; not {objective}"
+    other = "ref||pi" if direction == "pi||ref" else "pi||ref"
     if ok["target"] and not ok["other"]:
         return f"descends KL({direction})"
     if ok["other"] and not ok["target"]:
@@ -762,6 +873,13 @@ def _verdict(z: dict[str, float], threshold: float, direction: str) -> str:
     if ok["zero"]:
         return "mean gradient zero"
     return "biased: neither KL"
+
+
+def _objective_note(a: GradAudit) -> str:
+    """The objective's statistic, after the verdict (none without an objective)."""
+    if a.objective is None or a.z_objective is None:
+        return ""
+    return f" (z(objective) {_z_cell(a.z_objective, a.variance == 0, '.1f')})"
 
 
 def format_grad_audits(audits: list[GradAudit]) -> str:
@@ -789,7 +907,7 @@ def format_grad_audits(audits: list[GradAudit]) -> str:
         f"{_z_cell(a.z_other, a.variance == 0, '.1f')} | "
         f"{_z_cell(a.z_zero, a.variance == 0, '.1f')} | "
         f"{coef(a.coef_pi_ref, a.coef_pi_ref_se)} | {coef(a.coef_ref_pi, a.coef_ref_pi_se)} | "
-        f"{a.verdict} |"
+        f"{a.verdict}{_objective_note(a)} |"
         for a in audits
     ]
     return head + "\n".join(rows) + "\n"

@@ -12,6 +12,8 @@ derive from :class:`SampledTestbed`.
 - :class:`OffPolicyTestbed`: samples from a behavior policy, answers of a target pair.
 - :class:`ScoreFunctionGaussian`: Gaussians with non-reparameterized samples.
 - :class:`GaussianMixtureTarget`: a fixed 1-D Gaussian mixture, KLs to a Gaussian by quadrature.
+- :class:`VariationalGaussian`: a Gaussian encoder against an unnormalized Gaussian joint, K
+  importance samples per data point; the K-sample bounds' means by quadrature.
 
 :func:`tiny_causal_lm` and :func:`word_tokenizer` build a small ``transformers`` causal LM and a
 tokenizer from a config (nothing downloaded), for :meth:`LanguageModelTestbed.tiny`, tests and
@@ -25,6 +27,7 @@ from klest.testbeds.categorical import CategoricalTestbed
 from klest.testbeds.gaussian import GaussianTestbed
 from klest.testbeds.language_model import LanguageModelTestbed
 from klest.testbeds.mixture import GaussianMixtureTarget
+from klest.testbeds.variational import VariationalGaussian
 from klest.testbeds.wrappers import OffPolicyTestbed, ScoreFunctionGaussian
 
 __all__ = [
@@ -38,6 +41,7 @@ __all__ = [
     "ScoreFunctionGaussian",
     "TabularAutoregressive",
     "Testbed",
+    "VariationalGaussian",
     "make_generator",
     "tiny_causal_lm",
     "word_tokenizer",

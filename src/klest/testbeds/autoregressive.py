@@ -325,6 +325,56 @@ class TabularAutoregressive(SampledTestbed):
         """
         return TokenLocalKL(self)
 
+    @torch.no_grad()
+    def future_kl(self, tokens: Tensor) -> Tensor:
+        r"""The expected KL(pi||ref) still to come from each position's prefix, exactly.
+
+        .. math::
+            V_t(y_{<t}) = E_{y_{\ge t}\sim\pi(\cdot|y_{<t})}\Big[\sum_{u\ge t}
+            \log\frac{\pi(y_u|y_{<u})}{ref(y_u|y_{<u})}\Big],
+
+        by backward recursion over the table (:math:`V_t = \sum_v \pi(v|y_{<t})(\rho_v +
+        V_{t+1}(y_{<t}v))`, no continuation after eos). The value function of the per-token
+        reward :math:`-\rho_u`: it reads the tokens before ``t`` only, so it is an unbiased
+        baseline of the cumulative score-function estimator's target at ``t``; ``V_0`` is
+        :meth:`exact_kl`.
+
+        Args:
+          tokens: token ids ``[n, T]``.
+
+        Returns:
+          ``[n, T]``, detached; 0 after a sequence's eos.
+        """
+        v, horizon = self.vocab_size, self.horizon
+        la, lb = torch.log_softmax(self.logits, -1), torch.log_softmax(self.logits_ref, -1)
+        cont = torch.ones(v, dtype=la.dtype)
+        if self.eos is not None:
+            cont[self.eos] = 0.0
+        if self.markov:  # states: the last token (v: the start)
+            later = torch.zeros(v + 1, dtype=la.dtype)
+            values = []
+            for t in reversed(range(horizon)):
+                now = (la[t].exp() * (la[t] - lb[t] + cont * later[:v])).sum(-1)
+                values.insert(0, now)
+                later = now
+            table = torch.stack(values)  # [T, V + 1]
+            rows = self._rows(tokens)
+            steps = torch.arange(tokens.shape[1]).expand_as(rows)
+            out = table[steps, rows]
+        else:
+            values = torch.zeros(la.shape[0], dtype=la.dtype)
+            for t in reversed(range(horizon)):
+                lo = self._offsets[t]
+                rows = slice(lo, lo + v**t)
+                later = torch.zeros(v**t, v, dtype=la.dtype)
+                if t + 1 < horizon:
+                    hi = self._offsets[t + 1]
+                    later = values[hi : hi + v ** (t + 1)].reshape(v**t, v)
+                values[rows] = (la[rows].exp() * (la[rows] - lb[rows] + cont * later)).sum(-1)
+            out = values[self._rows(tokens)]
+        valid = self._valid(tokens)
+        return out if valid is None else torch.where(valid, out, torch.zeros_like(out))
+
     def expectation(self, fn: Callable[[Tensor], Tensor]) -> Tensor:
         with torch.no_grad():
             return self._expect_token_sum(self.logits, self.logits_ref, fn)
