@@ -194,21 +194,25 @@ def test_hidden_matches_the_loop(mode):
 
 def test_routed_rows_cost_one_teacher():
     """Work, counted: routed over K = 3 teachers, the fused call does the matrix products of one
-    per-position kl_from_hidden call over the same rows (each row's logits, student and teacher,
-    once, and again in the backward: per-position results recompute);
-    from logits, a route is one kl_from_logits call. Rows of a teacher's tensor that are not
-    routed to it are not read: NaN there changes nothing."""
+    kl_from_hidden call over the same rows, with a scalar loss (each row's logits, student and
+    teacher, once, and the gradients written in the forward) and per position (recomputed in
+    the backward); from logits, a route is one kl_from_logits call. Rows of a teacher's tensor
+    that are not routed to it are not read: NaN there changes nothing."""
     lead, hsz = torch.Size((6, 4)), 8
     h = _t((*lead, hsz), 60).requires_grad_(True)
     w = _t((V, hsz), 61)
     heads = [_t((V, hsz), 62 + k) for k in range(K)]
     th = _t((*lead, hsz), 66)
     route = torch.tensor([0, 1, 2, 2, 1, 0])
-    with FlopCounterMode(display=False) as multi:
-        klest.multi_teacher_kl_from_hidden(h, w, th, heads, route=route).backward()
-    with FlopCounterMode(display=False) as single:
-        klest.kl_from_hidden(h, w, th, heads[0], reduction="none").sum().backward()
-    assert multi.get_total_flops() == single.get_total_flops() > 0
+    for reduction in ("seq-mean-token-sum", "none"):
+        with FlopCounterMode(display=False) as multi:
+            out = klest.multi_teacher_kl_from_hidden(
+                h, w, th, heads, route=route, reduction=reduction
+            )
+            out.sum().backward()
+        with FlopCounterMode(display=False) as single:
+            klest.kl_from_hidden(h, w, th, heads[0], reduction=reduction).sum().backward()
+        assert multi.get_total_flops() == single.get_total_flops() > 0, reduction
     z = _t((*lead, V), 70)
     teachers = [torch.full((*lead, V), float("nan"), dtype=F64) for _ in range(K)]
     for b, k in enumerate(route.tolist()):
