@@ -18,6 +18,7 @@ import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 import klest
+from klest.logits import from_hidden
 from tests._tolerance import assert_close_to_rounding, assert_logits_values_close
 
 VALUE_ULPS = 32
@@ -190,6 +191,160 @@ def test_hidden_matches_the_loop(mode):
     g_want = torch.autograd.grad((want * upstream.reshape(-1)).sum(), params)
     for name, a, c in zip(["h", "w", "b", "head0", "teacher_hidden"], g_got, g_want, strict=True):
         assert_close_to_rounding(a, c, ulps=GRAD_ULPS, what=name)
+
+
+DIRECTIONS = {
+    "route": "pi||ref",
+    "default": "ref||pi",
+    "global": "pi||ref",
+    "per-position": "ref||pi",
+}
+
+
+def _by_hand(values, mask, reduction):
+    """klest's reductions of per-position ``values`` ``[B, T]`` (0 where masked), written out."""
+    if reduction == "none":
+        return values
+    if reduction == "token-mean":
+        return values.sum() / mask.sum()
+    return values.sum() / mask.any(-1).sum()  # seq-mean-token-sum over the counted rows
+
+
+@pytest.mark.parametrize("dtype", [F64, torch.float32])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("reduction", ["seq-mean-token-sum", "token-mean", "none"])
+def test_hidden_matches_each_teachers_kl_from_logits(dtype, mode, reduction):
+    """The fused path (gradient in the forward for a scalar reduction, recomputed per position)
+    against kl_from_logits on the materialized logits, per teacher, weighted and reduced by
+    hand: values, each teacher's details, and gradients to the student's hidden states, head
+    and bias and to a trainable teacher's head and hidden states, with a loss reaching the
+    backward with 1 and with 0.7. Teacher 1 has no row (route, global weights); chunks of 5
+    rows cross the teacher groups. Tolerances: the module's, in the dtype's precision."""
+    lead, hsz, temperature = torch.Size((4, 6)), 5, 0.8
+    direction = DIRECTIONS[mode]
+
+    def t(shape, seed):
+        return _t(shape, seed).to(dtype)
+
+    h, w, b = t((*lead, hsz), 130), t((V, hsz), 131), t((V,), 132)
+    sizes = (hsz, hsz, hsz) if mode == "route" else (3, 5, 7)
+    heads = [t((V, s), 140 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
+    biases = [None, t((V,), 145), None]
+    mask = _t(lead, 133) > -0.8
+    mask[1] = False
+    kwargs, dense = _weights(mode, lead, torch.tensor([0, 2, 2, 0]))
+    if mode == "route":
+        states = t((*lead, hsz), 150).requires_grad_(True)
+        teacher_hidden, per_teacher = states, [states] * K
+    else:
+        per_teacher = [t((*lead, s), 150 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
+        teacher_hidden, states = per_teacher, per_teacher[0]
+    params = [p.requires_grad_(True) for p in (h, w, b)] + [heads[0], states]
+    options = {"direction": direction, "mask": mask, "temperature": temperature}
+    got, details = klest.multi_teacher_kl_from_hidden(
+        h,
+        w,
+        teacher_hidden,
+        heads,
+        bias=b,
+        teacher_biases=biases,
+        reduction=reduction,
+        chunk_size=5,
+        return_details=True,
+        **kwargs,
+        **options,
+    )
+    z = torch.nn.functional.linear(h, w, b)
+    ys = [
+        torch.nn.functional.linear(s, hd, bi)
+        for s, hd, bi in zip(per_teacher, heads, biases, strict=True)
+    ]
+    kls = torch.stack([klest.kl_from_logits(z, y, reduction="none", **options) for y in ys], -1)
+    weighted = dense.reshape(*lead, K).to(dtype)
+    want = _by_hand((weighted * kls).sum(-1), mask, reduction)
+    value_options = {"ulps": VALUE_ULPS, "temperature": temperature}
+    flat = [x.reshape(-1, V) for x in (z, *ys)]
+    if reduction == "none":
+        assert_logits_values_close(got.reshape(-1), want.reshape(-1), *flat, **value_options)
+    else:
+        assert_logits_values_close(got, want, *flat, terms=lead[-1], **value_options)
+    computed = (weighted > 0) & mask[..., None]
+    assert torch.equal(details.teacher_positions, computed.reshape(-1, K).sum(0))
+    for k in range(K):
+        assert_logits_values_close(
+            details.teacher_kls[..., k].reshape(-1),
+            torch.where(computed[..., k], kls[..., k], 0.0).detach().reshape(-1),
+            flat[0],
+            flat[1 + k],
+            **value_options,
+        )
+    upstream = {"none": _t(lead, 134).to(dtype), "token-mean": 0.7}.get(reduction, 1.0)
+    g_got = torch.autograd.grad((got * upstream).sum(), params)
+    g_want = torch.autograd.grad((want * upstream).sum(), params)
+    for name, a, c in zip(["h", "w", "b", "head0", "teacher_hidden"], g_got, g_want, strict=True):
+        assert_close_to_rounding(a, c, ulps=GRAD_ULPS, what=f"{name} {dtype} {mode} {reduction}")
+
+
+def test_hidden_packed_sequences_with_a_route():
+    """cu_seqlens (an empty sequence included), a scalar reduction: the gradient written in the
+    forward equals kl_from_logits per teacher on the materialized logits, each sequence's
+    teacher picked and reduced by hand (float64, the module's tolerances)."""
+    cu = torch.tensor([0, 3, 3, 8, 10])
+    route = torch.tensor([1, 0, 2, 1])
+    per_token = torch.tensor([1, 1, 1, 2, 2, 2, 2, 2, 1, 1])
+    h, w = _t((10, 4), 160).requires_grad_(True), _t((V, 4), 161).requires_grad_(True)
+    heads, states = [_t((V, 3), 162 + k) for k in range(K)], _t((10, 3), 166)
+    ys = [states @ hd.T for hd in heads]
+    kls = torch.stack([klest.kl_from_logits(h @ w.T, y, reduction="none") for y in ys], -1)
+    per_position = kls.gather(1, per_token[:, None])[:, 0]
+    sums = torch.stack([per_position[a:b].sum() for a, b in itertools.pairwise(cu.tolist())])
+    for reduction, want in (
+        ("token-mean", per_position.mean()),
+        ("seq-mean-token-sum", sums.sum() / 3),  # 3 sequences with a position
+    ):
+        got = klest.multi_teacher_kl_from_hidden(
+            h, w, states, heads, route=route, cu_seqlens=cu, reduction=reduction, chunk_size=2
+        )
+        assert_logits_values_close(got, want, h @ w.T, *ys, ulps=VALUE_ULPS, terms=5)
+        for a, c in zip(
+            torch.autograd.grad(got, [h, w]),
+            torch.autograd.grad(want, [h, w], retain_graph=True),
+            strict=True,
+        ):
+            assert_close_to_rounding(a, c, ulps=GRAD_ULPS, what=reduction)
+
+
+def test_hidden_gradient_in_the_forward_is_used_once(monkeypatch):
+    """With a scalar reduction the backward only scales the gradients written in the forward:
+    by exactly 1 when the loss reaches it with 1 (the coefficients are the backward's own, bit
+    for bit), by 2 for a loss doubled. A second backward is refused (stash=False allows it, and
+    equals it); stash=True with a per-position result is refused."""
+    h, w = _t((3, 4, 5), 170).requires_grad_(True), _t((V, 5), 171).requires_grad_(True)
+    heads, states = [_t((V, 5), 172 + k) for k in range(K)], _t((3, 4, 5), 176)
+    weights = torch.tensor([0.2, 0.0, 0.8], dtype=F64)
+    factors = []
+    real = from_hidden.uniform_factor
+
+    def record(g, c):
+        factors.append(real(g, c))
+        return factors[-1]
+
+    monkeypatch.setattr(from_hidden, "uniform_factor", record)
+    for upstream in (1.0, 2.0):
+        out = klest.multi_teacher_kl_from_hidden(h, w, states, heads, weights=weights)
+        grads = torch.autograd.grad(out * upstream, [h, w])
+    assert [float(f) for f in factors] == [1.0, 2.0]
+    out = klest.multi_teacher_kl_from_hidden(h, w, states, heads, weights=weights)
+    (out * 2.0).backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="stash=False"):
+        out.backward()
+    twice = klest.multi_teacher_kl_from_hidden(h, w, states, heads, weights=weights, stash=False)
+    for _ in range(2):
+        again = torch.autograd.grad(twice * 2.0, [h, w], retain_graph=True)
+        for a, c in zip(again, grads, strict=True):
+            assert_close_to_rounding(a, c, ulps=GRAD_ULPS)
+    with pytest.raises(ValueError, match="stash=True"):
+        klest.multi_teacher_kl_from_hidden(h, w, states, heads, reduction="none", stash=True)
 
 
 def test_routed_rows_cost_one_teacher():
