@@ -144,49 +144,60 @@ def test_packed_sequences_with_a_route():
     assert_close_to_rounding(g, g_want, ulps=GRAD_ULPS, what="gradient")
 
 
-@pytest.mark.parametrize("mode", ["route", "per-position"])
-def test_hidden_matches_the_loop(mode):
-    """From hidden states with each teacher's own head and bias: values and gradients to the
-    student's hidden states, head and bias and to a trainable teacher head and its hidden states
-    equal the loop on the materialized logits. With a route, one teacher_hidden tensor holds
-    each row's own teacher's states; per position, each teacher has its own (sizes differ)."""
+def _hidden_case(mode, seed, route, dtype=F64):
+    """A student (hidden states, head and bias, all trained) and K teachers' heads (teacher 0's
+    trained, teacher 1's with a bias), a mask with an empty row, the weighting ``mode``:
+    ``(call's arguments, dense [N, K] weights, trained tensors, materialized logits z, ys)``.
+    With a route, one teacher_hidden tensor holds each row's own teacher's states (trained);
+    otherwise each teacher has its own (sizes differ; teacher 0's trained)."""
     lead, hsz = torch.Size((4, 6)), 5
-    h = _t((*lead, hsz), 30).requires_grad_(True)
-    w = _t((V, hsz), 31).requires_grad_(True)
-    b = _t((V,), 32).requires_grad_(True)
+
+    def t(shape, offset):
+        return _t(shape, seed + offset).to(dtype)
+
+    h, w, b = (
+        t(shape, i).requires_grad_(True) for i, shape in enumerate(((*lead, hsz), (V, hsz), (V,)))
+    )
     sizes = (hsz, hsz, hsz) if mode == "route" else (3, 5, 7)
-    heads = [_t((V, s), 40 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
-    biases = [None, _t((V,), 45), None]
-    mask = _t(lead, 33) > -0.8
+    heads = [t((V, s), 10 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
+    biases = [None, t((V,), 15), None]
+    mask = _t(lead, seed + 3) > -0.8
     mask[1] = False
-    route = torch.tensor([0, 1, 0, 0])  # teacher 2 has no row
     kwargs, dense = _weights(mode, lead, route)
     if mode == "route":
-        states = _t((*lead, hsz), 50).requires_grad_(True)
+        states = t((*lead, hsz), 20).requires_grad_(True)
         teacher_hidden, per_teacher = states, [states] * K
     else:
-        per_teacher = [_t((*lead, s), 50 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
+        per_teacher = [t((*lead, s), 20 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
         teacher_hidden, states = per_teacher, per_teacher[0]
-    got = klest.multi_teacher_kl_from_hidden(
-        h,
-        w,
-        teacher_hidden,
-        heads,
-        bias=b,
-        teacher_biases=biases,
-        mask=mask,
-        reduction="none",
+    args = {
+        "hidden": h,
+        "weight": w,
+        "teacher_hidden": teacher_hidden,
+        "teacher_weights": heads,
+        "bias": b,
+        "teacher_biases": biases,
+        "mask": mask,
         **kwargs,
-    )
-    z = torch.nn.functional.linear(h, w, b).reshape(-1, V)
+    }
+    z = torch.nn.functional.linear(h, w, b)
     ys = [
-        torch.nn.functional.linear(s, hd, bi).reshape(-1, V)
+        torch.nn.functional.linear(s, hd, bi)
         for s, hd, bi in zip(per_teacher, heads, biases, strict=True)
     ]
-    want = _reference(z, ys, dense, mask.reshape(-1), "pi||ref", 1.0)
+    return args, dense, [h, w, b, heads[0], states], z, ys
+
+
+@pytest.mark.parametrize("mode", ["route", "per-position"])
+def test_hidden_matches_the_loop(mode):
+    """From hidden states with each teacher's own head and bias (:func:`_hidden_case`): values
+    and gradients per position equal the loop on the materialized logits."""
+    args, dense, params, z, ys = _hidden_case(mode, 30, torch.tensor([0, 1, 0, 0]))
+    got = klest.multi_teacher_kl_from_hidden(**args, reduction="none")
+    z, ys = z.reshape(-1, V), [y.reshape(-1, V) for y in ys]
+    want = _reference(z, ys, dense, args["mask"].reshape(-1), "pi||ref", 1.0)
     assert_logits_values_close(got.reshape(-1), want, z, *ys, ulps=VALUE_ULPS)
-    upstream = _t(lead, 34)
-    params = [h, w, b, heads[0], states]
+    upstream = _t(got.shape, 34)
     g_got = torch.autograd.grad((got * upstream).sum(), params)
     g_want = torch.autograd.grad((want * upstream.reshape(-1)).sum(), params)
     for name, a, c in zip(["h", "w", "b", "head0", "teacher_hidden"], g_got, g_want, strict=True):
@@ -220,45 +231,13 @@ def test_hidden_matches_each_teachers_kl_from_logits(dtype, mode, reduction):
     and bias and to a trainable teacher's head and hidden states, with a loss reaching the
     backward with 1 and with 0.7. Teacher 1 has no row (route, global weights); chunks of 5
     rows cross the teacher groups. Tolerances: the module's, in the dtype's precision."""
-    lead, hsz, temperature = torch.Size((4, 6)), 5, 0.8
-    direction = DIRECTIONS[mode]
-
-    def t(shape, seed):
-        return _t(shape, seed).to(dtype)
-
-    h, w, b = t((*lead, hsz), 130), t((V, hsz), 131), t((V,), 132)
-    sizes = (hsz, hsz, hsz) if mode == "route" else (3, 5, 7)
-    heads = [t((V, s), 140 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
-    biases = [None, t((V,), 145), None]
-    mask = _t(lead, 133) > -0.8
-    mask[1] = False
-    kwargs, dense = _weights(mode, lead, torch.tensor([0, 2, 2, 0]))
-    if mode == "route":
-        states = t((*lead, hsz), 150).requires_grad_(True)
-        teacher_hidden, per_teacher = states, [states] * K
-    else:
-        per_teacher = [t((*lead, s), 150 + k).requires_grad_(k == 0) for k, s in enumerate(sizes)]
-        teacher_hidden, states = per_teacher, per_teacher[0]
-    params = [p.requires_grad_(True) for p in (h, w, b)] + [heads[0], states]
-    options = {"direction": direction, "mask": mask, "temperature": temperature}
+    lead, temperature = torch.Size((4, 6)), 0.8
+    args, dense, params, z, ys = _hidden_case(mode, 130, torch.tensor([0, 2, 2, 0]), dtype)
+    mask = args["mask"]
+    options = {"direction": DIRECTIONS[mode], "mask": mask, "temperature": temperature}
     got, details = klest.multi_teacher_kl_from_hidden(
-        h,
-        w,
-        teacher_hidden,
-        heads,
-        bias=b,
-        teacher_biases=biases,
-        reduction=reduction,
-        chunk_size=5,
-        return_details=True,
-        **kwargs,
-        **options,
+        **args | options, reduction=reduction, chunk_size=5, return_details=True
     )
-    z = torch.nn.functional.linear(h, w, b)
-    ys = [
-        torch.nn.functional.linear(s, hd, bi)
-        for s, hd, bi in zip(per_teacher, heads, biases, strict=True)
-    ]
     kls = torch.stack([klest.kl_from_logits(z, y, reduction="none", **options) for y in ys], -1)
     weighted = dense.reshape(*lead, K).to(dtype)
     want = _by_hand((weighted * kls).sum(-1), mask, reduction)

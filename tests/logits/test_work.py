@@ -12,7 +12,9 @@ engine by chunk), :func:`klest.logits._traffic.matmul_flops` the second
   again;
 * from hidden states: one product per model for the logits, then ``dh`` and ``dW`` for each
   trainable side: 4 per chunk for a student against a frozen teacher head, each ``2 N H V``
-  FLOPs; recomputing adds the two logits products.
+  FLOPs; recomputing adds the two logits products;
+* from hidden states against several teachers: the student's logits, ``dh`` and ``dW`` once a
+  chunk for all of its teachers, plus each teacher's logits: 4 routed, ``3 + K`` averaged.
 
 Each test fails if a change adds a pass or a product. Chunks of 2 rows of 8 keep the PyTorch
 engine's chunk buffers smaller than ``[N, V]``, so that only the logits and gradients count.

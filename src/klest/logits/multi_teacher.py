@@ -19,9 +19,13 @@ position counts): a routed row costs one KL, to its teacher, whatever K. From lo
 positions are arranged in *slots*, slot j holding each position's j-th teacher of positive
 weight (one slot when routing); each slot is one :func:`klest.kl_from_logits` call against the
 slot's teacher logits, gathered row by row from the K tensors (no copy when the whole slot has
-one teacher, as with global weights). From hidden states, each teacher with a positive weight
-somewhere is one :func:`klest.kl_from_hidden` call with its own LM head, masked to its positions
-(masked rows cost no matrix product). The reduction is klest's one rule
+one teacher, as with global weights). From hidden states, the rows are grouped by their set of
+teachers (one group a teacher when routing) and chunked within each group: a chunk makes the
+student's logits once and each of its teachers' logits with that teacher's LM head, and, for a
+scalar loss, writes the gradients in the forward pass as :func:`klest.kl_from_hidden` does
+(the logits gradients summed over the chunk's teachers, then ``dh`` and ``dW`` once); a
+per-position result recomputes, one :func:`klest.kl_from_hidden` call a teacher masked to its
+rows. Rows no teacher counts cost no matrix product. The reduction is klest's one rule
 (:mod:`klest.aggregation`) over the weighted per-position sums.
 """
 
@@ -434,16 +438,24 @@ def multi_teacher_kl_from_hidden(
         ref_{k,n} = \mathrm{softmax}((W_k h^{(k)}_n + b_k)/T)
 
     (or :math:`KL(ref_{k,n}\|\pi_n)`), as :func:`multi_teacher_kl_from_logits` on the
-    materialized logits, with no ``[N, V]`` tensor: each teacher with a positive weight somewhere
-    is one :func:`klest.kl_from_hidden` call with its head, masked to its positions (the others
-    cost it no matrix product; one host read for which teachers are used, and one per call).
-    Gradients reach ``hidden``, ``weight``, ``bias`` and every teacher tensor that requires grad.
+    materialized logits, with no ``[N, V]`` tensor: a teacher's logits are made only at the rows
+    where its weight is positive (one host read groups the rows by their teachers). Gradients
+    reach ``hidden``, ``weight``, ``bias`` and every teacher tensor that requires grad (a teacher
+    with no row gets none).
+
+    Work, in matrix products of a chunk of rows (each ``2 * rows * H * V`` FLOPs, ``H`` of its
+    model): with a scalar ``reduction`` (the training loss) the gradients are written in the
+    forward pass as in :func:`klest.kl_from_hidden`: the student's logits once, each of the
+    chunk's teachers' logits, and ``dh`` and ``dW`` once for the gradient summed over them, so
+    ``3 + (its teachers)``: 4 for a routed row, as one :func:`klest.kl_from_hidden` call, and
+    ``3 + K`` averaged over K teachers; plus ``dh_k`` / ``dW_k`` for a teacher's tensors that
+    require grad. The backward only scales them by the upstream gradient (nothing at all when
+    it is 1). A per-position result (``reduction="none"`` / ``"per-sequence"``), ``stash=False``
+    or float16 heads recompute instead: one :func:`klest.kl_from_hidden` call a teacher, on its
+    rows, 6 products a chunk a teacher. Without a gradient (``torch.no_grad``): ``1 + (its
+    teachers)``.
 
     See MOPD, "Multi-Teacher On-Policy Distillation" (https://arxiv.org/abs/2606.30406).
-
-    Work: one :func:`klest.kl_from_hidden` call per teacher used, on its rows only, with
-    per-position results (their logits recomputed in the backward: 6 products per chunk where a
-    single scalar-reduced call makes 4).
 
     Args:
       hidden: the student's final hidden states ``[..., H]``.
@@ -460,6 +472,9 @@ def multi_teacher_kl_from_hidden(
       teacher_biases: K biases ``[V]`` or None each, if any.
       direction, mask, reduction, temperature: as in :func:`multi_teacher_kl_from_logits`.
       memory_budget, chunk_size, backend: as in :func:`klest.kl_from_hidden`.
+      stash: None (default) writes the gradients in the forward pass for a scalar
+        ``reduction`` and recomputes for a per-position one; False always recomputes (needed to
+        backpropagate twice); True insists on the forward pass (a scalar ``reduction`` only).
       cu_seqlens, max_seqlen, counts, validate, return_details: as in
         :func:`multi_teacher_kl_from_logits`.
 
