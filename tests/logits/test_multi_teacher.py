@@ -11,7 +11,9 @@ entry) and the heads' sum them over N <= 24 rows and V = 13: GRAD_ULPS = 2 x 32.
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
+import os
 
 import pytest
 import torch
@@ -324,6 +326,27 @@ def test_hidden_gradient_in_the_forward_is_used_once(monkeypatch):
             assert_close_to_rounding(a, c, ulps=GRAD_ULPS)
     with pytest.raises(ValueError, match="stash=True"):
         klest.multi_teacher_kl_from_hidden(h, w, states, heads, reduction="none", stash=True)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("triton") is None
+    or not (os.environ.get("TRITON_INTERPRET") == "1" or torch.cuda.is_available()),
+    reason="needs triton with CUDA or TRITON_INTERPRET=1 (make test sets it)",
+)
+def test_hidden_triton_backend_equals_torch_backend():
+    """The fused path's kernels (interpreter on CPU), a scalar loss over per-position weights
+    (chunks of one, two and three teachers): value and gradients within float32 rounding of the
+    PyTorch backend's (the module's tolerances)."""
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    args, _, params, z, ys = _hidden_case("per-position", 180, None, torch.float32)
+    args = {k: v.to(dev) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    got = {}
+    for backend in ("torch", "triton"):
+        out = klest.multi_teacher_kl_from_hidden(**args, backend=backend, chunk_size=4)
+        got[backend] = [out, *torch.autograd.grad(out * 0.7, params)]
+    assert_logits_values_close(got["triton"][0], got["torch"][0], z, *ys, ulps=VALUE_ULPS, terms=6)
+    for a, c in zip(got["triton"][1:], got["torch"][1:], strict=True):
+        assert_close_to_rounding(a, c, ulps=GRAD_ULPS)
 
 
 def test_routed_rows_cost_one_teacher():
