@@ -533,67 +533,84 @@ def multi_teacher_kl_from_hidden(
     wanted = grad_wanted(inputs)
     pos = Positions(lead, None, None, direction, reduction, False)
     w_used = plan.weights[:, used]
+    options = {
+        "direction": direction,
+        "temperature": temperature,
+        "memory_budget": memory_budget,
+        "chunk_size": chunk_size,
+        "backend": backend,
+        "validate": validate,
+    }
     if wanted and not stash_in_forward(pos, wanted, stash, dtype=weight.dtype):
         sides = [(states[i], heads[i], biases[i]) for i in used]
         values = _recompute_teachers(
-            hidden,
-            weight,
-            sides,
-            w_used > 0,
-            bias=bias,
-            direction=direction,
-            temperature=temperature,
-            memory_budget=memory_budget,
-            chunk_size=chunk_size,
-            backend=backend,
-            validate=validate,
-            stash=stash,
+            hidden, weight, sides, w_used > 0, bias=bias, stash=stash, **options
         )
     else:
-        check_plan_options(backend, memory_budget, chunk_size)
-        tau = check_temperature(temperature)
-        check_linear("", hidden, weight, bias)
-        refuse_sharded_weight(weight, hidden, "weight")
-        v = weight.shape[0]
-        sides = []
-        for i in used:
-            refuse_sharded_weight(heads[i], states[i], f"teacher_weights[{i}]")
-            h_ref, w_ref, _ = _ref_side(lead, v, states[i], heads[i], biases[i], None)
-            sides.append((h_ref, w_ref, biases[i]))
-        h = hidden.reshape(-1, hidden.shape[-1])
-        widest = max((len(teachers) for teachers, _ in groups), default=1)
-        # A chunk of several teachers also holds pi's logits' copy and the gradients' sum.
-        resolved, chunk = plan_chunks(
-            h,
-            weight,
-            v,
-            backend=backend,
-            memory_budget=memory_budget,
-            chunk_size=chunk_size,
-            workspace=workspace_bytes_per_row,
-            buffers=3 if widest == 1 else 5,
-        )
-        row_plan = _KLPlan(1.0 / tau, False, resolved, chunk, direction)
-        slot = {i: j for j, i in enumerate(used)}
-        chunks = [
-            (idx, tuple(slot[i] for i in teachers))
-            for teachers, rows in groups
-            for idx in rows.split(chunk)
-        ]
-        dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
         coef = None
         if wanted:
+            dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
             coef = _coefficients(w_used, plan, lead, reduction, counts, dtype)
-        checks = ValueChecks(resolve_validate(validate))
-        flat = [t for side in sides for t in side]
-        values = _TeacherRows.apply(coef, chunks, row_plan, checks, h, weight, bias, *flat)
-        checks.run()
+        teachers = [(states[i], heads[i], biases[i], i) for i in used]
+        values = _fused_teachers(hidden, weight, bias, teachers, groups, coef, **options)
     total = _combined(values, w_used)
     teacher_kls = None
     if return_details:
         teacher_kls = torch.zeros(lead.numel(), k, dtype=values.dtype, device=hidden.device)
         teacher_kls[:, used] = values.detach()
     return _finish(total, teacher_kls, plan, lead, reduction, counts, return_details)
+
+
+def _fused_teachers(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    teachers: list[tuple[Tensor, Tensor, Tensor | None, int]],
+    groups: list[tuple[tuple[int, ...], Tensor]],
+    coef: Tensor | None,
+    *,
+    direction: str,
+    temperature: float,
+    memory_budget: int | None,
+    chunk_size: int | None,
+    backend: str,
+    validate: bool | None,
+) -> Tensor:
+    """Each used teacher's per-position KL ``[N, U]`` through :class:`_TeacherRows`
+    (``teachers``: hidden states, head, bias and index of each; ``coef``: the upstream gradients
+    to write in the forward pass, or None for no gradient), the arguments checked as
+    :func:`klest.kl_from_hidden` checks them."""
+    check_plan_options(backend, memory_budget, chunk_size)
+    tau = check_temperature(temperature)
+    check_linear("", hidden, weight, bias)
+    refuse_sharded_weight(weight, hidden, "weight")
+    lead, v = hidden.shape[:-1], weight.shape[0]
+    flat = []
+    for states, head, head_bias, i in teachers:
+        refuse_sharded_weight(head, states, f"teacher_weights[{i}]")
+        flat += [*_ref_side(lead, v, states, head, head_bias, None)[:2], head_bias]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    widest = max((len(used) for used, _ in groups), default=1)
+    # A chunk of several teachers also holds a copy of pi's logits and the gradients' sum.
+    resolved, chunk = plan_chunks(
+        h,
+        weight,
+        v,
+        backend=backend,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        workspace=workspace_bytes_per_row,
+        buffers=3 if widest == 1 else 5,
+    )
+    slot = {i: j for j, (*_, i) in enumerate(teachers)}
+    chunks = [
+        (idx, tuple(slot[i] for i in used)) for used, rows in groups for idx in rows.split(chunk)
+    ]
+    row_plan = _KLPlan(1.0 / tau, False, resolved, chunk, direction)
+    checks = ValueChecks(resolve_validate(validate))
+    values = _TeacherRows.apply(coef, chunks, row_plan, checks, h, weight, bias, *flat)
+    checks.run()
+    return values
 
 
 def _teacher_groups(positive: Tensor) -> list[tuple[tuple[int, ...], Tensor]]:
