@@ -12,7 +12,9 @@ engine by chunk), :func:`klest.logits._traffic.matmul_flops` the second
   again;
 * from hidden states: one product per model for the logits, then ``dh`` and ``dW`` for each
   trainable side: 4 per chunk for a student against a frozen teacher head, each ``2 N H V``
-  FLOPs; recomputing adds the two logits products.
+  FLOPs; recomputing adds the two logits products;
+* from hidden states against several teachers: the student's logits, ``dh`` and ``dW`` once a
+  chunk for all of its teachers, plus each teacher's logits: 4 routed, ``3 + K`` averaged.
 
 Each test fails if a change adds a pass or a product. Chunks of 2 rows of 8 keep the PyTorch
 engine's chunk buffers smaller than ``[N, V]``, so that only the logits and gradients count.
@@ -201,3 +203,74 @@ def test_divergences_from_hidden_take_four_products_per_chunk(fn):
     products, flops = _products(functools.partial(fn, h, w, hr, wr))
     assert products == 4 * (ROWS // CHUNK)
     assert flops == 3 * 2 * ROWS * H * VOCAB + 2 * ROWS * HR * VOCAB
+
+
+# -- several teachers from hidden states ----------------------------------------------------------
+
+K = 3
+SETS = {  # each case's teachers per sequence of 4 rows (a chunk), then what trains
+    "routed": ([(0,), (2,), (0,)], {}),
+    "averaged": ([(0, 1, 2)] * 3, {}),
+    "two of three": ([(0, 2)] * 3, {}),
+    "per position, mixed": ([(0,), (0, 1), (0, 1, 2)], {}),
+    "routed, teacher 0's head trains": ([(0,), (2,), (0,)], {"head": True}),
+    "routed, teacher hidden states train": ([(0,), (2,), (0,)], {"states": True}),
+    "routed, per position: recompute": ([(0,), (2,), (0,)], {"reduction": "none"}),
+    "routed, stash=False: recompute": ([(0,), (2,), (0,)], {"stash": False}),
+    "averaged, per position: recompute": ([(0, 1, 2)] * 3, {"reduction": "none"}),
+}
+
+
+def _teachers_call(sets, *, head=False, states=False, **options):
+    """The student (hidden states and head trained) against K teachers' heads ``[V, HR]`` on
+    one ``teacher_hidden`` tensor, 3 sequences of 4 rows, each sequence's teachers ``sets``
+    (equal weights): a route when each has one."""
+    h, w, hr, _ = _heads(train_ref_hidden=states)
+    g = torch.Generator().manual_seed(2)
+    heads = [torch.randn(VOCAB, HR, generator=g).requires_grad_(head and k == 0) for k in range(K)]
+    if all(len(s) == 1 for s in sets):
+        options["route"] = torch.tensor([s[0] for s in sets])
+    else:
+        weights = torch.zeros(3, 4, K)
+        for b, s in enumerate(sets):
+            weights[b, :, list(s)] = 1.0 / len(s)
+        options["weights"] = weights
+    return functools.partial(
+        klest.multi_teacher_kl_from_hidden, h.reshape(3, 4, H), w, hr.reshape(3, 4, HR), heads
+    ), options
+
+
+@pytest.mark.parametrize("case", SETS)
+def test_multi_teacher_kl_from_hidden_products(case):
+    """Each chunk of rows (here a sequence of 4) with a scalar loss: pi's logits once, each of
+    its teachers' logits, ``dh`` and ``dW`` once for their summed gradient: 3 + (its teachers),
+    4 routed; + ``dW_k`` / ``dh_k`` where a teacher's tensors train. A per-position result or
+    ``stash=False`` recomputes: per teacher, each of its chunks' logits twice + ``dh`` + ``dW``,
+    6. FLOPs: ``2 * rows * H * V`` a product (``HR`` on a teacher's side)."""
+    sets, how = SETS[case]
+    fn, options = _teachers_call(sets, **how)
+    products, flops = _products(fn, **options)
+    pi, ref = 2 * 4 * H * VOCAB, 2 * 4 * HR * VOCAB  # one chunk's product on each side
+    if "recompute" in case:
+        per_chunk = [6 * len(s) for s in sets]
+        want = sum(len(s) * (4 * pi + 2 * ref) for s in sets)
+    else:
+        per_chunk = [3 + len(s) for s in sets]
+        want = sum(3 * pi + len(s) * ref for s in sets)
+        trains = sum(1 for s in sets if 0 in s) if how.get("head") else 0
+        trains += len(sets) if how.get("states") else 0
+        per_chunk.append(trains)
+        want += trains * ref
+    assert products == sum(per_chunk), case
+    assert flops == want, case
+
+
+def test_multi_teacher_kl_from_hidden_without_a_gradient_makes_only_the_logits():
+    """Under ``torch.no_grad`` (any reduction): each chunk's logits, pi's once: 1 + (its
+    teachers) products."""
+    sets = [(0,), (0, 1), (0, 1, 2)]
+    for reduction in ("none", "sum"):
+        fn, options = _teachers_call(sets, reduction=reduction)
+        with torch.no_grad(), matmul_flops() as counted:
+            fn(chunk_size=CHUNK, **options)
+        assert counted["products"] == sum(1 + len(s) for s in sets), reduction

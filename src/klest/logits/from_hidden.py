@@ -58,6 +58,7 @@ from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails
 from klest.logits._call import (
     LogitsDetails,
+    Positions,
     check_plan_options,
     finish,
     gradient_in_forward,
@@ -404,13 +405,7 @@ class _HiddenRows(torch.autograd.Function):
         if not ctx.in_forward:
             return (*_recompute(ctx.saved_tensors, grads, plan, need), None, None, None, None, None)
         coef, *saved = ctx.saved_tensors
-        if ctx.grads is None:
-            raise RuntimeError(
-                "this graph was already backpropagated (its gradients, written in the forward "
-                "pass, are used up); for a second backward (retain_graph=True) pass stash=False"
-            )
-        pi_grads, ref_grads = ctx.grads
-        ctx.grads = None
+        stashed = take_stashed(ctx)
         g_value, *g_stats = grads
         if any(g is not None for g in g_stats):
             # A gradient through the details: all of it recomputed, rounded once.
@@ -418,14 +413,34 @@ class _HiddenRows(torch.autograd.Function):
         elif g_value is None:
             result = [None] * 7
         else:
-            backend = getattr(plan, "backend", "torch")
-            r = uniform_factor(g_value, coef)
-            pi_grads.scale(r, backend)
-            ref_grads.scale(r, backend)
-            d_h, d_w, d_b, _ = pi_grads.result()
-            d_h_ref, d_w_ref, d_b_ref, d_y = ref_grads.result()
-            result = [d_h, d_w, d_b, d_h_ref, d_w_ref, d_b_ref, d_y]
+            (d_h, d_w, d_b, _), ref = scaled_grads(stashed, g_value, coef, plan)
+            result = [d_h, d_w, d_b, *ref]
         return (*result, None, None, None, None, None)
+
+
+def take_stashed(ctx) -> tuple[_HeadGrads, ...]:
+    """The gradients a Function wrote in its forward pass (``ctx.grads``), handed out once: a
+    second backward of the graph is refused with the way to do it."""
+    if ctx.grads is None:
+        raise RuntimeError(
+            "this graph was already backpropagated (its gradients, written in the forward "
+            "pass, are used up); for a second backward (retain_graph=True) pass stash=False"
+        )
+    stashed, ctx.grads = ctx.grads, None
+    return stashed
+
+
+def scaled_grads(
+    sides: tuple[_HeadGrads, ...], g: Tensor, coef: Tensor, plan: HiddenRowPlan
+) -> list[tuple[Tensor | None, ...]]:
+    """Each side's ``(d hidden, d weight, d bias, d logits)`` written in the forward pass for
+    the upstream gradients ``coef``, times the one factor ``g`` (the backward's upstream
+    gradients, of ``coef``'s shape) is of ``coef`` (:func:`uniform_factor`)."""
+    backend = getattr(plan, "backend", "torch")
+    r = uniform_factor(g, coef)
+    for side in sides:
+        side.scale(r, backend)
+    return [tuple(side.result()) for side in sides]
 
 
 def _recompute(saved, grads, plan: HiddenRowPlan, need) -> list[Tensor | None]:
@@ -684,24 +699,22 @@ def run_hidden(
         checks=checks,
     )
     h = hidden.reshape(-1, hidden.shape[-1])
-    resolved = resolve_backend(backend, h)
-    # Per row: pi's and ref's logits and a gradient in their dtype, plus the PyTorch workspace.
     v_plan = v if shard is None else shard.widest
-    per_row = v_plan * max(hidden.element_size(), weight.element_size()) * 3
-    per_row += workspace(v_plan) if resolved == "torch" else 0
-    plan = make_plan(1.0 / tau, resolved, chunk_rows(per_row, h.device, memory_budget, chunk_size))
+    resolved, chunk = plan_chunks(
+        h,
+        weight,
+        v_plan,
+        backend=backend,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        workspace=workspace,
+    )
+    plan = make_plan(1.0 / tau, resolved, chunk)
     pos = in_sequences(pos, cu_seqlens, max_seqlen, counts, hidden.device, checks)
     pos = with_result(pos, scale=scale, ce_weight=ce_weight)
     inputs = (h, weight, bias, h_ref, w_ref, bias_ref, y)
-    grad_wanted = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
-    if stash is True and not pos.scalar:
-        raise ValueError(
-            f"stash=True writes the head's gradients in the forward pass, which needs a scalar "
-            f"reduction (one upstream gradient for every row); reduction={reduction!r} is per "
-            "position: leave stash=None"
-        )
     coef = None
-    if gradient_in_forward(pos, grad_wanted, stash, dtype=weight.dtype) and pos.scalar:
+    if stash_in_forward(pos, grad_wanted(inputs), stash, dtype=weight.dtype):
         coef = value_coefficients(
             pos, h.shape[0], torch.float64 if h.dtype == torch.float64 else torch.float32, h.device
         )
@@ -711,3 +724,43 @@ def run_hidden(
     outputs = _HiddenRows.apply(*inputs, labels_in, pos.rows, coef, plan, checks)
     checks.run()
     return finish(outputs, pos)
+
+
+def plan_chunks(
+    h: Tensor,
+    weight: Tensor,
+    v: int,
+    *,
+    backend: str,
+    memory_budget: int | None,
+    chunk_size: int | None,
+    workspace: Callable[[int], int],
+    buffers: int = 3,
+) -> tuple[str, int]:
+    """``(backend, rows per chunk)`` of a fused call over heads of ``v`` rows: per row,
+    ``buffers`` vectors of ``v`` logits or gradients in the inputs' dtype (pi's and ref's
+    logits and a gradient: 3), plus ``workspace(v)`` on the PyTorch path."""
+    resolved = resolve_backend(backend, h)
+    per_row = v * max(h.element_size(), weight.element_size()) * buffers
+    per_row += workspace(v) if resolved == "torch" else 0
+    return resolved, chunk_rows(per_row, h.device, memory_budget, chunk_size)
+
+
+def grad_wanted(inputs: tuple[Tensor | None, ...]) -> bool:
+    """Whether autograd will want a gradient of any of ``inputs``."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in inputs)
+
+
+def stash_in_forward(
+    pos: Positions, wanted: bool, stash: bool | None, *, dtype: torch.dtype
+) -> bool:
+    """Whether a fused call writes its gradients in the forward pass: a scalar reduction whose
+    gradient is ``wanted`` (:func:`~klest.logits._call.gradient_in_forward`, ``stash`` as in
+    :func:`kl_from_hidden`); ``stash=True`` with a per-position reduction is refused."""
+    if stash is True and not pos.scalar:
+        raise ValueError(
+            f"stash=True writes the head's gradients in the forward pass, which needs a scalar "
+            f"reduction (one upstream gradient for every row); reduction={pos.reduction!r} is per "
+            "position: leave stash=None"
+        )
+    return gradient_in_forward(pos, wanted, stash, dtype=dtype) and pos.scalar

@@ -19,9 +19,13 @@ position counts): a routed row costs one KL, to its teacher, whatever K. From lo
 positions are arranged in *slots*, slot j holding each position's j-th teacher of positive
 weight (one slot when routing); each slot is one :func:`klest.kl_from_logits` call against the
 slot's teacher logits, gathered row by row from the K tensors (no copy when the whole slot has
-one teacher, as with global weights). From hidden states, each teacher with a positive weight
-somewhere is one :func:`klest.kl_from_hidden` call with its own LM head, masked to its positions
-(masked rows cost no matrix product). The reduction is klest's one rule
+one teacher, as with global weights). From hidden states, the rows are grouped by their set of
+teachers (one group a teacher when routing) and chunked within each group: a chunk makes the
+student's logits once and each of its teachers' logits with that teacher's LM head, and, for a
+scalar loss, writes the gradients in the forward pass as :func:`klest.kl_from_hidden` does
+(the logits gradients summed over the chunk's teachers, then ``dh`` and ``dW`` once); a
+per-position result recomputes, one :func:`klest.kl_from_hidden` call a teacher masked to its
+rows. Rows no teacher counts cost no matrix product. The reduction is klest's one rule
 (:mod:`klest.aggregation`) over the weighted per-position sums.
 """
 
@@ -32,20 +36,39 @@ from typing import NamedTuple
 
 import torch
 from torch import Tensor
+from torch.autograd.function import once_differentiable
 
 from klest._checks import (
     ValueChecks,
     check_choice,
+    check_direction,
     check_float_tensor,
     check_int_ids,
+    check_linear,
     check_mask,
+    check_rows_have_distributions,
+    check_temperature,
     first_bad,
     resolve_validate,
 )
 from klest._types import DEFAULT_REDUCTION, Backend, Direction, Reduction
 from klest.aggregation import GlobalCounts, WithDetails, check_counts, reduce_rows
 from klest.layout import Layout, PaddedLayout, layout_of
-from klest.logits.from_hidden import kl_from_hidden
+from klest.logits._call import Positions, check_plan_options
+from klest.logits._rows import workspace_bytes_per_row
+from klest.logits._sharded import refuse_sharded_weight
+from klest.logits.from_hidden import (
+    _Head,
+    _HeadGrads,
+    _KLPlan,
+    _ref_side,
+    grad_wanted,
+    kl_from_hidden,
+    plan_chunks,
+    scaled_grads,
+    stash_in_forward,
+    take_stashed,
+)
 from klest.logits.from_logits import kl_from_logits
 
 __all__ = ["MultiTeacherDetails", "multi_teacher_kl_from_hidden", "multi_teacher_kl_from_logits"]
@@ -400,6 +423,7 @@ def multi_teacher_kl_from_hidden(
     memory_budget: int | None = None,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    stash: bool | None = None,
     cu_seqlens: Tensor | None = None,
     max_seqlen: int | None = None,
     counts: GlobalCounts | None = None,
@@ -414,16 +438,24 @@ def multi_teacher_kl_from_hidden(
         ref_{k,n} = \mathrm{softmax}((W_k h^{(k)}_n + b_k)/T)
 
     (or :math:`KL(ref_{k,n}\|\pi_n)`), as :func:`multi_teacher_kl_from_logits` on the
-    materialized logits, with no ``[N, V]`` tensor: each teacher with a positive weight somewhere
-    is one :func:`klest.kl_from_hidden` call with its head, masked to its positions (the others
-    cost it no matrix product; one host read for which teachers are used, and one per call).
-    Gradients reach ``hidden``, ``weight``, ``bias`` and every teacher tensor that requires grad.
+    materialized logits, with no ``[N, V]`` tensor: a teacher's logits are made only at the rows
+    where its weight is positive (one host read groups the rows by their teachers). Gradients
+    reach ``hidden``, ``weight``, ``bias`` and every teacher tensor that requires grad (a teacher
+    with no row gets none).
+
+    Work, in matrix products of a chunk of rows (each ``2 * rows * H * V`` FLOPs, ``H`` of its
+    model): with a scalar ``reduction`` (the training loss) the gradients are written in the
+    forward pass as in :func:`klest.kl_from_hidden`: the student's logits once, each of the
+    chunk's teachers' logits, and ``dh`` and ``dW`` once for the gradient summed over them, so
+    ``3 + (its teachers)``: 4 for a routed row, as one :func:`klest.kl_from_hidden` call, and
+    ``3 + K`` averaged over K teachers; plus ``dh_k`` / ``dW_k`` for a teacher's tensors that
+    require grad. The backward only scales them by the upstream gradient (nothing at all when
+    it is 1). A per-position result (``reduction="none"`` / ``"per-sequence"``), ``stash=False``
+    or float16 heads recompute instead: one :func:`klest.kl_from_hidden` call a teacher, on its
+    rows, 6 products a chunk a teacher. Without a gradient (``torch.no_grad``): ``1 + (its
+    teachers)``.
 
     See MOPD, "Multi-Teacher On-Policy Distillation" (https://arxiv.org/abs/2606.30406).
-
-    Work: one :func:`klest.kl_from_hidden` call per teacher used, on its rows only, with
-    per-position results (their logits recomputed in the backward: 6 products per chunk where a
-    single scalar-reduced call makes 4).
 
     Args:
       hidden: the student's final hidden states ``[..., H]``.
@@ -440,6 +472,9 @@ def multi_teacher_kl_from_hidden(
       teacher_biases: K biases ``[V]`` or None each, if any.
       direction, mask, reduction, temperature: as in :func:`multi_teacher_kl_from_logits`.
       memory_budget, chunk_size, backend: as in :func:`klest.kl_from_hidden`.
+      stash: None (default) writes the gradients in the forward pass for a scalar
+        ``reduction`` and recomputes for a per-position one; False always recomputes (needed to
+        backpropagate twice); True insists on the forward pass (a scalar ``reduction`` only).
       cu_seqlens, max_seqlen, counts, validate, return_details: as in
         :func:`multi_teacher_kl_from_logits`.
 
@@ -491,37 +526,226 @@ def multi_teacher_kl_from_hidden(
     plan = _plan(
         lead, hidden.device, k, weights, route, reduction, counts, validate, layout, "hidden"
     )
-    positive = plan.weights > 0
-    used = positive.any(0).tolist()  # one host read
-    total = None
-    n = lead.numel()
-    teacher_kls = None
+    check_direction(direction)
+    groups = _teacher_groups(plan.weights > 0)  # one host read
+    used = sorted({i for teachers, _ in groups for i in teachers})
+    inputs = (hidden, weight, bias, *states, *heads, *biases)
+    wanted = grad_wanted(inputs)
+    pos = Positions(lead, None, None, direction, reduction, False)
+    w_used = plan.weights[:, used]
     options = {
-        "bias": bias,
         "direction": direction,
         "temperature": temperature,
         "memory_budget": memory_budget,
         "chunk_size": chunk_size,
         "backend": backend,
         "validate": validate,
-        "reduction": "none",
     }
-    calls = [i for i in range(k) if used[i]] or [0]  # nothing counted: one empty call
-    for i in calls:
+    if wanted and not stash_in_forward(pos, wanted, stash, dtype=weight.dtype):
+        sides = [(states[i], heads[i], biases[i]) for i in used]
+        values = _recompute_teachers(
+            hidden, weight, sides, w_used > 0, bias=bias, stash=stash, **options
+        )
+    else:
+        coef = None
+        if wanted:
+            dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+            coef = _coefficients(w_used, plan, lead, reduction, counts, dtype)
+        teachers = [(states[i], heads[i], biases[i], i) for i in used]
+        values = _fused_teachers(hidden, weight, bias, teachers, groups, coef, **options)
+    total = _combined(values, w_used)
+    teacher_kls = None
+    if return_details:
+        teacher_kls = torch.zeros(lead.numel(), k, dtype=values.dtype, device=hidden.device)
+        teacher_kls[:, used] = values.detach()
+    return _finish(total, teacher_kls, plan, lead, reduction, counts, return_details)
+
+
+def _fused_teachers(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    teachers: list[tuple[Tensor, Tensor, Tensor | None, int]],
+    groups: list[tuple[tuple[int, ...], Tensor]],
+    coef: Tensor | None,
+    *,
+    direction: str,
+    temperature: float,
+    memory_budget: int | None,
+    chunk_size: int | None,
+    backend: str,
+    validate: bool | None,
+) -> Tensor:
+    """Each used teacher's per-position KL ``[N, U]`` through :class:`_TeacherRows`
+    (``teachers``: hidden states, head, bias and index of each; ``coef``: the upstream gradients
+    to write in the forward pass, or None for no gradient), the arguments checked as
+    :func:`klest.kl_from_hidden` checks them."""
+    check_plan_options(backend, memory_budget, chunk_size)
+    tau = check_temperature(temperature)
+    check_linear("", hidden, weight, bias)
+    refuse_sharded_weight(weight, hidden, "weight")
+    lead, v = hidden.shape[:-1], weight.shape[0]
+    flat = []
+    for states, head, head_bias, i in teachers:
+        refuse_sharded_weight(head, states, f"teacher_weights[{i}]")
+        flat += [*_ref_side(lead, v, states, head, head_bias, None)[:2], head_bias]
+    h = hidden.reshape(-1, hidden.shape[-1])
+    widest = max((len(used) for used, _ in groups), default=1)
+    # A chunk of several teachers also holds a copy of pi's logits and the gradients' sum.
+    resolved, chunk = plan_chunks(
+        h,
+        weight,
+        v,
+        backend=backend,
+        memory_budget=memory_budget,
+        chunk_size=chunk_size,
+        workspace=workspace_bytes_per_row,
+        buffers=3 if widest == 1 else 5,
+    )
+    slot = {i: j for j, (*_, i) in enumerate(teachers)}
+    chunks = [
+        (idx, tuple(slot[i] for i in used)) for used, rows in groups for idx in rows.split(chunk)
+    ]
+    row_plan = _KLPlan(1.0 / tau, False, resolved, chunk, direction)
+    checks = ValueChecks(resolve_validate(validate))
+    values = _TeacherRows.apply(coef, chunks, row_plan, checks, h, weight, bias, *flat)
+    checks.run()
+    return values
+
+
+def _teacher_groups(positive: Tensor) -> list[tuple[tuple[int, ...], Tensor]]:
+    """The counted rows grouped by their set of teachers (those of positive weight, from
+    ``positive`` ``[N, K]``): ``(teachers, rows)`` per set, the rows in order (one host read).
+    A route gives one group per teacher routed to; global weights, one group."""
+    sets, inverse, sizes = torch.unique(positive, dim=0, return_inverse=True, return_counts=True)
+    order = torch.sort(inverse, stable=True).indices
+    k = positive.shape[1]
+    host = torch.cat([sets.reshape(-1).to(sizes.dtype), sizes]).tolist()
+    flags, sizes_list = host[: sets.numel()], host[sets.numel() :]
+    groups = []
+    for g, rows in enumerate(order.split(sizes_list)):
+        teachers = tuple(i for i in range(k) if flags[g * k + i])
+        if teachers:
+            groups.append((teachers, rows))
+    return groups
+
+
+def _combined(values: Tensor, w: Tensor) -> Tensor:
+    """Each position's weighted sum over the teachers ``sum_k w[n, k] values[n, k]`` (``[N]``
+    from ``[N, U]``; ``values`` is 0 where ``w`` is)."""
+    return (w.to(values.dtype) * values).sum(-1)
+
+
+def _coefficients(
+    w: Tensor,
+    plan: _Plan,
+    lead: torch.Size,
+    reduction: str,
+    counts: GlobalCounts | None,
+    dtype: torch.dtype,
+) -> Tensor:
+    """The upstream gradient ``[N, U]`` each teacher's per-position KL gets when the result
+    reaches the backward with 1: the weights times the reduction's, found by differentiating
+    the very combination and reduction the call applies (so that the backward finds them bit
+    for bit, and does nothing)."""
+    leaf = torch.zeros(w.shape, dtype=dtype, device=w.device, requires_grad=True)
+    with torch.enable_grad():
+        result = _finish(_combined(leaf, w), None, plan, lead, reduction, counts, False)
+        (coef,) = torch.autograd.grad(result, leaf, allow_unused=True)
+    return torch.zeros_like(leaf) if coef is None else coef.detach()
+
+
+def _recompute_teachers(
+    hidden: Tensor,
+    weight: Tensor,
+    sides: list[tuple[Tensor, Tensor, Tensor | None]],
+    positive: Tensor,
+    **options,
+) -> Tensor:
+    """Each teacher's per-position KL ``[N, U]`` (0 where its weight is 0), one
+    :func:`klest.kl_from_hidden` call a teacher, masked to its rows, recomputing in the
+    backward. No teacher: one empty call, for the graph."""
+    lead = hidden.shape[:-1]
+    columns = []
+    for j, (h_ref, w_ref, b_ref) in enumerate(sides or [(hidden, weight, None)]):
+        mask = positive[:, j] if sides else torch.zeros(lead.numel(), dtype=torch.bool)
         kl = kl_from_hidden(
             hidden,
             weight,
-            states[i],
-            heads[i],
-            bias_ref=biases[i],
-            mask=positive[:, i].reshape(lead),
+            h_ref,
+            w_ref,
+            bias_ref=b_ref,
+            mask=mask.reshape(lead).to(hidden.device),
+            reduction="none",
             **options,
-        ).reshape(-1)
-        term = torch.where(positive[:, i], plan.weights[:, i].to(kl.dtype) * kl, 0.0)
-        total = term if total is None else total + term
-        if return_details:
-            if teacher_kls is None:
-                teacher_kls = torch.zeros(n, k, dtype=kl.dtype, device=hidden.device)
-            teacher_kls[:, i] = kl.detach()
-    assert total is not None
-    return _finish(total, teacher_kls, plan, lead, reduction, counts, return_details)
+        )
+        columns.append(kl.reshape(-1))
+    return torch.stack(columns, -1)[:, : len(sides)]
+
+
+class _TeacherRows(torch.autograd.Function):
+    """``(h, W, b, then h_k, W_k, b_k for each of U teachers) -> [N, U]``: each row's KL to
+    each of its teachers (0 where not computed), chunk by chunk (``chunks``: the rows and the
+    teachers of each chunk), pi's logits made once a chunk for all its teachers.
+
+    ``coef`` ``[N, U]`` (the upstream gradients, or None for no gradient): the gradients are
+    written in the forward pass, each chunk's ``dL/dz`` summed over its teachers before
+    ``dh`` and ``dW``, and only scaled in the backward (:func:`klest.logits.from_hidden.
+    scaled_grads`)."""
+
+    @staticmethod
+    def forward(ctx, coef, chunks, plan, checks: ValueChecks, h, w, b, *teachers):
+        ctx.set_materialize_grads(False)
+        need = ctx.needs_input_grad
+        pi = _Head(h, w, b)
+        refs = [_Head(*teachers[j : j + 3]) for j in range(0, len(teachers), 3)]
+        n = h.shape[0]
+        dtype = torch.float64 if h.dtype == torch.float64 else torch.float32
+        out = torch.zeros(len(refs), plan.n_stats, n, dtype=dtype, device=h.device)
+        sides = None
+        if coef is not None:
+            sides = [
+                _HeadGrads(head, (*need[4 + 3 * j : 7 + 3 * j], False), wide=True)
+                for j, head in enumerate([pi, *refs])
+            ]
+        for idx, used in chunks:
+            z_c = pi.chunk_logits(idx)
+            dz_c = None
+            for j in used:
+                y_c = refs[j].chunk_logits(idx)
+                if sides is None:
+                    stats = plan.stats(z_c, y_c, None)
+                else:
+                    need_z = sides[0].needed
+                    # The last teacher writes its gradient over pi's logits, the others a copy.
+                    z_in = z_c.clone() if need_z and j != used[-1] else z_c
+                    stats, dz, dy = plan.stats_grads(
+                        z_in,
+                        y_c,
+                        None,
+                        coef[:, j].index_select(0, idx),
+                        need_z,
+                        sides[1 + j].needed,
+                    )
+                    sides[1 + j].add(idx, dy)
+                    dz_c = dz if dz_c is None else dz.add_(dz_c)
+                out[j].index_copy_(1, idx, stats.to(dtype))
+            if sides is not None:
+                sides[0].add(idx, dz_c)
+        for stats in out:
+            check_rows_have_distributions(*plan.lse(stats), None, checks)
+        ctx.grads = None if sides is None else tuple(sides)
+        ctx.plan = plan
+        ctx.save_for_backward(coef)
+        values = [plan.outputs(stats)[0] for stats in out]
+        return torch.stack(values, -1) if values else out.new_zeros(n, 0)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, g):
+        (coef,) = ctx.saved_tensors
+        stashed = take_stashed(ctx)
+        if g is None:
+            return (None,) * (4 + 3 * len(stashed))
+        grads = scaled_grads(stashed, g, coef, ctx.plan)
+        return (None, None, None, None, *(d for side in grads for d in side[:3]))
