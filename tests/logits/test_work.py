@@ -10,6 +10,10 @@ engine by chunk), :func:`klest.logits._traffic.matmul_flops` the second
   3 passes; the backward adds nothing when the loss reaches it with 1 (and 2 passes, a read and
   a write of the gradient, when it must rescale); recomputing in the backward reads both logits
   again;
+* from logit shards over a process group (vocab-parallel): the KL's statistics merge once
+  (2 passes) and its backward recomputes (3); the JSD, skew KL and TV read each chunk three
+  times (normalizers, sums, gradient: the merges sit between; from cache on the PyTorch
+  engine, from memory by each Triton kernel) and write the gradient in the forward;
 * from hidden states: one product per model for the logits, then ``dh`` and ``dW`` for each
   trainable side: 4 per chunk for a student against a frozen teacher head, each ``2 N H V``
   FLOPs; recomputing adds the two logits products;
@@ -122,6 +126,47 @@ def test_recompute_reads_the_logits_again():
     both logits and its write of the gradient: 5."""
     forward, backward, summary = _count(klest.kl_from_logits, "torch", reduction="sum", stash=False)
     assert (forward, backward) == (2.0, 3.0), summary
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    """A gloo process group of this process alone (the vocab-parallel paths need one)."""
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1
+    )
+    yield
+    dist.destroy_process_group()
+
+
+VOCAB_PARALLEL = {
+    "kl": klest.kl_from_logits_vocab_parallel,
+    "jsd": functools.partial(klest.jsd_from_logits_vocab_parallel, beta=0.3),
+    "skew-kl": functools.partial(klest.skew_kl_from_logits_vocab_parallel, alpha=0.4),
+    "tv": klest.tv_from_logits_vocab_parallel,
+}
+
+
+@each_backend
+@pytest.mark.parametrize("name", VOCAB_PARALLEL)
+def test_vocab_parallel_passes(one_rank, backend, name):
+    """Logit shards, a scalar loss. The KL merges the shards' statistics once for all rows and
+    its backward reads both shards again and writes the gradient. The JSD, skew KL and TV need
+    the whole rows' normalizers before a term can be summed and the summed ``<q, G_q>`` before
+    a gradient: each chunk is read for its normalizers, again for its sums, again for its
+    gradient (written in the forward), with a merge between. The PyTorch engine does the three
+    on a chunk in cache (1 pass a tensor); each Triton kernel reads it from memory again, and
+    the statistics kernel reads a row's first block (1024 of 2048 here) for its offset first:
+    1.5 + 1 + 1 passes a tensor."""
+    forward, backward, summary = _count(VOCAB_PARALLEL[name], backend, reduction="sum")
+    want = {
+        ("torch", True): (2.0, 3.0),
+        ("triton", True): (3.0, 3.0),
+        ("torch", False): (3.0, 0.0),
+        ("triton", False): (8.0, 0.0),
+    }
+    assert (forward, backward) == want[backend, name == "kl"], summary
 
 
 # -- fused with the heads: matrix products -------------------------------------------------------
