@@ -184,9 +184,10 @@ class TabularAutoregressive(SampledTestbed):
         """Token sequences ``[n, T]`` from pi (positions after eos are filled with eos)."""
         tokens = torch.zeros(n, self.horizon, dtype=torch.long)
         with torch.no_grad():
+            table = self.logits  # read once: a subclass may compute it (an LM checks its cache)
             alive = torch.ones(n, dtype=torch.bool)
             for t in range(self.horizon):
-                probs = self._next_logprobs(self.logits, tokens[:, : t + 1])[:, t].exp()
+                probs = self._next_logprobs(table, tokens[:, : t + 1])[:, t].exp()
                 tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
                 tokens[:, t] = torch.where(alive, tok, self.eos if self.eos is not None else 0)
                 if self.eos is not None:
