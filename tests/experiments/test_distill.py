@@ -16,6 +16,7 @@ import math
 import warnings
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,7 @@ pytest.importorskip("matplotlib", reason="the klest[experiments] extra")
 
 from klest._progress import progress_bar
 from klest.audit import gradient_draws, mean_shift_z
+from klest.experiments import distill as distill_module
 from klest.experiments.distill import (
     BY_NAME,
     METHODS,
@@ -43,7 +45,7 @@ from klest.sampled.rewards import kl_reward
 from klest.testbeds import LanguageModelTestbed, make_generator
 from klest.testbeds.base import Sample
 from tests._stats import RATE, z_for
-from tests.experiments.test_experiments import run_quick
+from tests.experiments.test_experiments import models_cached_in, run_quick
 
 
 def _random_rollout(seed: int) -> tuple[Rollout, Tensor]:
@@ -264,7 +266,14 @@ def test_one_step_mean_gradients_on_an_enumerable_lm(testbed):
             assert z_sequence > threshold, (method.name, z_sequence)
 
 
-def test_distill_quick(tmp_path):
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """The module's small-LM cache: the quick run trains its models here (seed 0), the slow
+    test loads them."""
+    return tmp_path_factory.mktemp("distill-models")
+
+
+def test_distill_quick(tmp_path, models):
     """The quick run end to end, and its exact claims: all methods start from the same student
     and evaluate on the same held-out samples (their step-0 numbers are identical), and the
     ratio of ``token`` to itself is 1.
@@ -275,7 +284,8 @@ def test_distill_quick(tmp_path):
     the one-sided threshold 4.41 (Bonferroni over 12 comparisons), and 256 held-out samples per
     start leave the gap between the starts a standard error of 0.85 nats.
     """
-    r = run_quick("distill", tmp_path)
+    with models_cached_in(distill_module, models):
+        r = run_quick("distill", tmp_path)
     runs = r["runs"]
     assert set(runs) == {"high KL", "low KL"}
     for methods in runs.values():
@@ -303,7 +313,7 @@ def _train(student, teacher, method: Method, sizes: Sizes, seed: int) -> dict[st
 
 
 @pytest.mark.slow
-def test_training_lowers_the_kl(tmp_path):
+def test_training_lowers_the_kl(models):
     """The quick models, and 60 steps per method (about 30 s in all): one-sided claims at
     family rate RATE, Bonferroni over the 12 of them (threshold 4.41):
 
@@ -319,7 +329,7 @@ def test_training_lowers_the_kl(tmp_path):
       :func:`test_distill_quick`.)
     """
     z = z_for(RATE, len(METHODS) + 1, two_sided=False)
-    for claim, stat in _training_z(0, tmp_path).items():
+    for claim, stat in _training_z(0, models).items():
         assert stat > z, (claim, stat)
 
 
