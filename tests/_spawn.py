@@ -42,22 +42,24 @@ def _entry(rank: int, world: int, directory: str, fn: Callable, args: tuple) -> 
     dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable, world: int, directory: Path, *args: Any) -> list[Any]:
-    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each on its own process."""
+def start_ranks(entry: Callable, nprocs: int, args: tuple) -> None:
+    """``entry(rank, *args)`` on ``nprocs`` processes (forked where it can, see above), joined;
+    an error past ``TIMEOUT`` seconds."""
     fork = "fork" in multiprocessing.get_all_start_methods() and not dist.is_initialized()
     context = mp.start_processes(
-        _entry,
-        args=(world, str(directory), fn, args),
-        nprocs=world,
-        join=False,
-        start_method="fork" if fork else "spawn",
+        entry, args=args, nprocs=nprocs, join=False, start_method="fork" if fork else "spawn"
     )
     deadline = time.monotonic() + TIMEOUT
     while not context.join(timeout=1.0):
         if time.monotonic() > deadline:
             for process in context.processes:
                 process.kill()
-            raise AssertionError(f"the {world} ranks of {fn.__name__} ran past {TIMEOUT} s")
+            raise AssertionError(f"the {nprocs} ranks of {entry.__name__} ran past {TIMEOUT} s")
+
+
+def run_ranks(fn: Callable, world: int, directory: Path, *args: Any) -> list[Any]:
+    """``[fn(0, world, *args), ..., fn(world - 1, world, *args)]``, each on its own process."""
+    start_ranks(_entry, world, (world, str(directory), fn, args))
     results = []
     for rank in range(world):
         got = torch.load(directory / f"out.{rank}", weights_only=False)
