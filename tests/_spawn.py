@@ -6,10 +6,11 @@ list of their return values (anything ``torch.save`` can store). A rank's except
 caller with that rank's traceback, and ranks still running after ``TIMEOUT`` seconds are killed
 and fail it too.
 
-The processes are forked from the test's own (where the platform forks and no process group is
-open here): a forked rank starts with torch, klest and the test module already imported, in
-milliseconds, where a spawned one imports them anew (about 1.5 CPU-seconds each). The ranks
-still build their own gloo group; they share nothing with the caller but its memory at the fork.
+The processes come from a fork server (where the platform has one): a single-threaded process
+that imports torch and klest once and forks each rank from there, in milliseconds, where a
+spawned rank imports them anew (about 1.5 CPU-seconds each). Forking the test's own process
+would be as fast but copies its threads' locks (pytest-xdist's, torch's pools) in whatever
+state they are: a fork server has none. Each rank builds its own gloo group.
 """
 
 from __future__ import annotations
@@ -42,12 +43,24 @@ def _entry(rank: int, world: int, directory: str, fn: Callable, args: tuple) -> 
     dist.destroy_process_group()
 
 
+PRELOAD = ["torch", "torch.distributed", "klest"]
+"""What the fork server imports once, before it forks any rank."""
+
+
+def _start_method() -> str:
+    """``"forkserver"`` where the platform has it (its server, single-threaded, imports
+    ``PRELOAD`` once and forks the ranks from there), else ``"spawn"``."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return "spawn"
+    multiprocessing.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
 def start_ranks(entry: Callable, nprocs: int, args: tuple) -> None:
-    """``entry(rank, *args)`` on ``nprocs`` processes (forked where it can, see above), joined;
-    an error past ``TIMEOUT`` seconds."""
-    fork = "fork" in multiprocessing.get_all_start_methods() and not dist.is_initialized()
+    """``entry(rank, *args)`` on ``nprocs`` processes (from the fork server, see above),
+    joined; an error past ``TIMEOUT`` seconds."""
     context = mp.start_processes(
-        entry, args=args, nprocs=nprocs, join=False, start_method="fork" if fork else "spawn"
+        entry, args=args, nprocs=nprocs, join=False, start_method=_start_method()
     )
     deadline = time.monotonic() + TIMEOUT
     while not context.join(timeout=1.0):
