@@ -156,16 +156,18 @@ def _whole_batch(dtype: torch.dtype):
     return out
 
 
+DTYPES = (torch.float64, torch.float32)
+
+
+def _rank_every_dtype(rank: int, world: int) -> dict:
+    return {dtype: _rank(rank, world, dtype) for dtype in DTYPES}
+
+
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory):
     """Both dtypes' per-rank results, from one spawn of two processes."""
-    directory = tmp_path_factory.mktemp("dp")
-    out = {}
-    for dtype in (torch.float64, torch.float32):
-        sub = directory / str(dtype).split(".")[-1]
-        sub.mkdir()
-        out[dtype] = run_ranks(_rank, 2, sub, dtype)
-    return out
+    per_rank = run_ranks(_rank_every_dtype, 2, tmp_path_factory.mktemp("dp"))
+    return {dtype: [r[dtype] for r in per_rank] for dtype in DTYPES}
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])

@@ -12,12 +12,12 @@ Each module fixes a function's options at construction and takes the tensors in 
 
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args
 
 from torch import Tensor, nn
-from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
 from klest._checks import check_choice, check_direction, check_flag
 from klest._types import (
@@ -344,6 +344,8 @@ class KLFromHidden(nn.Module):
         self.validate = validate
         owners = () if gather_with is None else gather_with
         self._owners = (owners,) if isinstance(owners, nn.Module) else tuple(owners)
+        if self._owners:
+            from torch.distributed.fsdp import FSDPModule  # at use: its import takes ~0.5 s
         for owner in self._owners:
             if not isinstance(owner, FSDPModule):
                 raise TypeError(
@@ -459,9 +461,13 @@ def in_forward_of(
       >>> kl = in_forward_of(head, lambda: kl_from_hidden(h, head.weight, logits_ref=logits_ref))
     """
     owners = [modules] if isinstance(modules, nn.Module) else list(modules)
-    owners = [m for m in owners if isinstance(m, FSDPModule)]
+    # A module is an FSDPModule only once torch.distributed.fsdp is imported: no import here.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    owners = [] if fsdp is None else [m for m in owners if isinstance(m, fsdp.FSDPModule)]
     if not owners:
         return fn(*args, **kwargs)
+    from torch.distributed.fsdp import register_fsdp_forward_method
+
     owner, rest = owners[0], owners[1:]
     if _FORWARD_METHOD not in vars(owner):
         setattr(owner, _FORWARD_METHOD, types.MethodType(_call, owner))

@@ -16,6 +16,7 @@ import math
 import warnings
 from collections import defaultdict
 from dataclasses import replace
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -27,6 +28,7 @@ pytest.importorskip("matplotlib", reason="the klest[experiments] extra")
 
 from klest._progress import progress_bar
 from klest.audit import gradient_draws, mean_shift_z
+from klest.experiments import distill as distill_module
 from klest.experiments.distill import (
     BY_NAME,
     METHODS,
@@ -40,10 +42,10 @@ from klest.experiments.distill import (
 )
 from klest.experiments.small_lms import sample_completions
 from klest.sampled.rewards import kl_reward
-from klest.testbeds import LanguageModelTestbed
+from klest.testbeds import LanguageModelTestbed, make_generator
 from klest.testbeds.base import Sample
 from tests._stats import RATE, z_for
-from tests.experiments.test_experiments import run_quick
+from tests.experiments.test_experiments import models_cached_in, run_quick
 
 
 def _random_rollout(seed: int) -> tuple[Rollout, Tensor]:
@@ -184,6 +186,53 @@ def _loss_on(sample: Sample, name: str) -> Tensor:
     return BY_NAME[name].loss(r)
 
 
+def _shared_draws(
+    testbed: LanguageModelTestbed, methods: list[Method], *, seed: int, trials: int = TRIALS
+) -> Tensor:
+    """``gradient_draws`` of every method at once, ``[methods, trials, params]``: the batches
+    it would draw for each (one generator seeded ``seed``), drawn and scored once, each
+    method's gradient taken through the same graph."""
+    params = testbed.parameters()
+    generator = make_generator(seed)
+    rows = []
+    for _ in range(trials):
+        sample = testbed.sample(BATCH, generator=generator)
+        row = []
+        for i, method in enumerate(methods):
+            grads = torch.autograd.grad(
+                _loss_on(sample, method.name),
+                params,
+                retain_graph=i < len(methods) - 1,
+                allow_unused=True,
+            )
+            row.append(
+                torch.cat(
+                    [
+                        (torch.zeros_like(p) if g is None else g).reshape(-1).double()
+                        for g, p in zip(grads, params, strict=True)
+                    ]
+                )
+            )
+        rows.append(torch.stack(row))
+    return torch.stack(rows, dim=1)
+
+
+def test_shared_draws_are_gradient_draws(testbed):
+    """The shared batches of :func:`_shared_draws` are ``gradient_draws``' own, method by
+    method: equal to the last bit on a few trials (the same generator, the same arithmetic)."""
+    methods = [BY_NAME["token"], BY_NAME["rb"]]
+    shared = _shared_draws(testbed, methods, seed=3, trials=4)
+    for method, got in zip(methods, shared, strict=True):
+        want = gradient_draws(
+            lambda s, name=method.name: _loss_on(s, name),
+            testbed,
+            batch_size=BATCH,
+            n_trials=4,
+            seed=3,
+        )
+        assert torch.equal(got, want), method.name
+
+
 def test_one_step_mean_gradients_on_an_enumerable_lm(testbed):
     """Over 300 independent batches of 8 completions, each method's mean gradient (w.r.t. all
     of the policy's parameters) against the exact gradients, by ``mean_shift_z`` (N(0, 1), tail
@@ -207,14 +256,7 @@ def test_one_step_mean_gradients_on_an_enumerable_lm(testbed):
     tested = [m for m in METHODS if m.sequence_level or m.token_local]
     assert len(tested) == 8
     threshold = z_for(RATE, len(tested), two_sided=False)
-    for method in tested:
-        draws = gradient_draws(
-            lambda s, name=method.name: _loss_on(s, name),
-            testbed,
-            batch_size=BATCH,
-            n_trials=TRIALS,
-            seed=7,
-        ).double()
+    for method, draws in zip(tested, _shared_draws(testbed, tested, seed=7), strict=True):
         z_sequence = mean_shift_z(draws, sequence_grad)
         if method.sequence_level:
             assert z_sequence <= threshold, (method.name, z_sequence)
@@ -224,7 +266,14 @@ def test_one_step_mean_gradients_on_an_enumerable_lm(testbed):
             assert z_sequence > threshold, (method.name, z_sequence)
 
 
-def test_distill_quick(tmp_path):
+@pytest.fixture(scope="module")
+def models(tmp_path_factory) -> Path:
+    """The module's small-LM cache: the quick run trains its models here (seed 0), the slow
+    test loads them."""
+    return tmp_path_factory.mktemp("distill-models")
+
+
+def test_distill_quick(tmp_path, models):
     """The quick run end to end, and its exact claims: all methods start from the same student
     and evaluate on the same held-out samples (their step-0 numbers are identical), and the
     ratio of ``token`` to itself is 1.
@@ -235,7 +284,8 @@ def test_distill_quick(tmp_path):
     the one-sided threshold 4.41 (Bonferroni over 12 comparisons), and 256 held-out samples per
     start leave the gap between the starts a standard error of 0.85 nats.
     """
-    r = run_quick("distill", tmp_path)
+    with models_cached_in(distill_module, models):
+        r = run_quick("distill", tmp_path)
     runs = r["runs"]
     assert set(runs) == {"high KL", "low KL"}
     for methods in runs.values():
@@ -263,7 +313,7 @@ def _train(student, teacher, method: Method, sizes: Sizes, seed: int) -> dict[st
 
 
 @pytest.mark.slow
-def test_training_lowers_the_kl(tmp_path):
+def test_training_lowers_the_kl(models):
     """The quick models, and 60 steps per method (about 30 s in all): one-sided claims at
     family rate RATE, Bonferroni over the 12 of them (threshold 4.41):
 
@@ -279,7 +329,7 @@ def test_training_lowers_the_kl(tmp_path):
       :func:`test_distill_quick`.)
     """
     z = z_for(RATE, len(METHODS) + 1, two_sided=False)
-    for claim, stat in _training_z(0, tmp_path).items():
+    for claim, stat in _training_z(0, models).items():
         assert stat > z, (claim, stat)
 
 

@@ -40,6 +40,26 @@ def run_quick(name: str, tmp_path) -> dict:
 
 
 @contextlib.contextmanager
+def models_cached_in(module, cache):
+    """``module.small_lm_session`` yields ``cache`` for the block (one thread, as the session
+    sets): a quick run trains its small LMs there, and a test of the same sizes and seeds then
+    loads them (a model's folder is named by its architecture, training and start)."""
+
+    @contextlib.contextmanager
+    def session(quick: bool):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            yield cache
+        finally:
+            torch.set_num_threads(threads)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(module, "small_lm_session", session)
+        yield
+
+
+@contextlib.contextmanager
 def _every_update():
     """KLEST_PROGRESS_INTERVAL=0 for the block: a progress line at every update."""
     old = os.environ.get("KLEST_PROGRESS_INTERVAL")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 from itertools import product
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import torch
 pytest.importorskip("transformers", reason="the klest[hf] extra (installed by make test)")
 pytest.importorskip("matplotlib", reason="the klest[experiments] extra")
 
+from klest.experiments import kl_regularized_po
 from klest.experiments.kl_regularized_po import (
     LOW_KL,
     QUICK,
@@ -44,7 +46,7 @@ from klest.experiments.small_lms import (
 )
 from tests._stats import RATE, t_for, z_for
 from tests._tolerance import assert_close_to_rounding
-from tests.experiments.test_experiments import run_quick
+from tests.experiments.test_experiments import models_cached_in, run_quick
 
 TINY = Architecture(n_embd=16, n_layer=1, n_head=2)
 
@@ -142,8 +144,15 @@ def test_policy_loss_rejects_an_unknown_estimator():
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory) -> dict:
-    return run_quick("kl-regularized-po", tmp_path_factory.mktemp("po"))
+def models(tmp_path_factory) -> Path:
+    """The module's small-LM cache: the quick run trains its ref here, the slow test loads it."""
+    return tmp_path_factory.mktemp("po-models")
+
+
+@pytest.fixture(scope="module")
+def quick(tmp_path_factory, models) -> dict:
+    with models_cached_in(kl_regularized_po, models):
+        return run_quick("kl-regularized-po", tmp_path_factory.mktemp("po"))
 
 
 def _runs(r: dict):
@@ -226,7 +235,7 @@ def test_quick_large_beta_holds_the_kl(quick):
 
 
 @pytest.mark.slow
-def test_reward_rises_at_beta_zero(tmp_path):
+def test_reward_rises_at_beta_zero(models):
     """The quick run's training at beta = 0 (its ref, sizes and steps) at 6 seeds: the mean of
     the final held-out rewards is above the mean of the starts' (pi = ref), one one-sided
     comparison above z_for(RATE, 1, two_sided=False) = 3.83 standard errors (false-fail rate
@@ -237,7 +246,7 @@ def test_reward_rises_at_beta_zero(tmp_path):
     ref, _ = trained_gpt2(
         QUICK.arch,
         Training(NEUTRAL, steps=QUICK.ref_steps, seed=0),
-        cache_dir=tmp_path,
+        cache_dir=models,
         progress=False,
     )
     sizes = replace(QUICK, eval_every=QUICK.steps)

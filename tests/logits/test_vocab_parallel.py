@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import klest
+from tests._spawn import start_ranks
 from tests._tolerance import assert_close_to_rounding, logit_scale
 
 N_LEAD = (2, 3)
@@ -169,10 +170,10 @@ needs_triton = pytest.mark.skipif(
 )
 def test_vocab_parallel_equals_single_process(tmp_path, sizes, dtype, backend):
     world = len(sizes)
-    mp.spawn(
+    start_ranks(
         _worker,
-        args=(world, str(tmp_path / "store"), sizes, dtype, backend, str(tmp_path / "out")),
-        nprocs=world,
+        world,
+        (world, str(tmp_path / "store"), sizes, dtype, backend, str(tmp_path / "out")),
     )
     z, y, labels, mask = _case_inputs(sizes, dtype)
     expected = _run_all(z, y, labels, mask, klest.kl_from_logits)

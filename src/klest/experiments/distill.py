@@ -78,7 +78,6 @@ from __future__ import annotations
 
 import copy
 import math
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,7 +91,6 @@ from klest._progress import progress_bar
 from klest.experiments.reviews import ENTHUSIAST, NEUTRAL, sample_reviews
 from klest.experiments.runner import Experiment, Report, RunConfig, pyplot
 from klest.experiments.small_lms import (
-    DEFAULT_CACHE,
     STUDENT,
     TEACHER,
     Architecture,
@@ -100,6 +98,7 @@ from klest.experiments.small_lms import (
     Training,
     completion_log_probs,
     sample_completions,
+    small_lm_session,
     trained_gpt2,
 )
 from klest.logits import kl_from_logits
@@ -368,15 +367,9 @@ def _models(sizes: Sizes, seed: int, cache: Path, progress: bool) -> tuple[Any, 
 
 def run(config: RunConfig) -> Report:
     sizes = QUICK if config.quick else FULL
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny models: more threads only add overhead
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            cache = Path(tmp) if config.quick else DEFAULT_CACHE
-            teacher, starts = _models(sizes, config.seed, cache, config.progress)
-            return _run(teacher, starts, sizes, config)
-    finally:
-        torch.set_num_threads(threads)
+    with small_lm_session(config.quick) as cache:
+        teacher, starts = _models(sizes, config.seed, cache, config.progress)
+        return _run(teacher, starts, sizes, config)
 
 
 def _run(teacher: Any, starts: dict[str, Any], sizes: Sizes, config: RunConfig) -> Report:

@@ -184,11 +184,18 @@ class TabularAutoregressive(SampledTestbed):
         """Token sequences ``[n, T]`` from pi (positions after eos are filled with eos)."""
         tokens = torch.zeros(n, self.horizon, dtype=torch.long)
         with torch.no_grad():
+            table = self.logits  # read once: a subclass may compute it (an LM checks its cache)
             alive = torch.ones(n, dtype=torch.bool)
+            # The table row of each prefix, advanced token by token (as _rows computes it).
+            prev = torch.full((n,), self.vocab_size, dtype=torch.long)
+            code = torch.zeros(n, dtype=torch.long)
             for t in range(self.horizon):
-                probs = self._next_logprobs(self.logits, tokens[:, : t + 1])[:, t].exp()
+                z = table[t, prev] if self.markov else table[self._offsets[t] + code]
+                probs = torch.log_softmax(z, dim=-1).exp()
                 tok = torch.multinomial(probs, 1, generator=generator).squeeze(1)
                 tokens[:, t] = torch.where(alive, tok, self.eos if self.eos is not None else 0)
+                prev = tokens[:, t]
+                code = code * self.vocab_size + prev
                 if self.eos is not None:
                     alive = alive & (tok != self.eos)
         return tokens
