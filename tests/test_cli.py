@@ -125,6 +125,88 @@ def _value_and_se(cell: str) -> tuple[float, float]:
     return float(value), float(se)
 
 
+def _objective_verdicts() -> dict[str, str]:
+    """The verdict each objective option's row (``+value``, ``;weights=``) and each variational
+    bound's row must print: what their exact mean gradients say (tests/audit/test_core.py, the
+    quadrature of tests/testbeds/test_variational.py)."""
+    weighted = "E[Σ w·ρ] (w·ρ fixed)"
+    verdicts = {
+        "k1/cumulative+value": "descends KL(pi||ref)",
+        "k1/cumulative;weights=clipped-ratio": f"descends {weighted}, not KL(pi||ref)",
+        "k1/cumulative;weights=clipped-prefix-ratio": f"descends {weighted}, not KL(pi||ref)",
+        "rb/rb;weights=clipped-prefix-ratio": f"descends {weighted}, not KL(pi||ref)",
+        "rb/rb;weights=clipped-ratio": f"biased: neither KL; not {weighted}",
+    }
+    # The variational bounds: pathwise and DReG follow -E[bound] (the quadrature's gradient),
+    # STL only at K = 1.
+    for alpha, k in VARIATIONAL_AUDIT:
+        bound = f"IWAE_{k}" if alpha == 0.0 else f"L_{alpha:g},{k}"
+        name = "iwae" if alpha == 0.0 else f"renyi:{alpha:g}"
+        for grad in ("pathwise", "stl", "dreg"):
+            verdicts[f"{name}/{grad} K={k}"] = (
+                "descends KL(pi||ref)"
+                if k == 1
+                else f"biased: neither KL; not -E[{bound}]"
+                if grad == "stl"
+                else f"descends -E[{bound}], not KL(pi||ref)"
+            )
+    return verdicts
+
+
+N_OBJECTIVE_NULLS = 5
+"""Null statistics (one-sided) of the tabular rows of :func:`_objective_verdicts`: z(target)
+and z(objective) of ``+value`` (which prints no z(objective)), and z(objective) of the three
+weighted rows that descend their objective. The variational bounds' null statistics are left
+out of the threshold: at the quick size (100 trials) they are not normal (40 seeds, the 6 null
+rows of K > 1: mean +0.25, sd 1.13, 4 of 240 above 3.8 where N(0, 1) gives 0.02; the worst
+4.5), so no rate can be stated for them from the normal approximation; their mean gradients'
+claims are tested on exact answers in tests/sampled/test_importance_weighted.py and
+tests/testbeds/test_variational.py."""
+
+
+def _is_variational(spec: str) -> bool:
+    return spec.startswith(("iwae/", "renyi:"))
+
+
+def _objective_rows(text: str):
+    """Per row of :func:`_objective_verdicts`: ``(spec, verdict, cells, statistics, nulls)``;
+    the statistics z(target) and z(objective) (NaN where not printed), the nulls the names of
+    those that are null: z(target) where the row descends the claimed KL (and its z(objective),
+    printed for the K = 1 bounds, whose objective is that KL), z(objective) where it descends
+    its objective; the others are alternatives (expected 7.9 or more at the quick size)."""
+    for spec, verdict in _objective_verdicts().items():
+        (row,) = [r for r in _table_rows(text, spec) if len(r) == 11]
+        found = re.search(r"\(z\(objective\) (-?[\d.]+)\)", row[-1])
+        stats = {"target": float(row[5]), "objective": float(found[1]) if found else math.nan}
+        null = set()
+        if verdict.startswith("descends"):
+            null = {"target", "objective"} if verdict.startswith("descends KL") else {"objective"}
+        yield spec, verdict, row, stats, null
+
+
+@pytest.mark.calibration
+def test_objective_rows_nulls_within_bonferroni_over_seeds():
+    """The tabular objective rows' null statistics in ``klest audit --quick`` (the whole
+    suite's draws, so each seed's are those of the CLI) at 40 seeds: none above
+    ``z_for(RATE, N_OBJECTIVE_NULLS)`` one-sided; no failure expected (40 x 6.3e-5)."""
+    from klest.audit import run_audit_suite
+
+    worst = []
+    for seed in range(40):
+        text = run_audit_suite(quick=True, seed=seed, progress=False)
+        worst.append(
+            max(
+                stats[key]
+                for spec, _, _, stats, null in _objective_rows(text)
+                if not _is_variational(spec)
+                for key in null
+                if not math.isnan(stats[key])
+            )
+        )
+    z = z_for(RATE, N_OBJECTIVE_NULLS, two_sided=False)
+    assert_failures_consistent(worst, z, RATE, "objective rows' null z")
+
+
 def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys, monkeypatch):
     """``klest audit --quick``: every value estimator on every testbed, @sequence rows on the
     tabular testbed, and the mean / EMA baselines in the gradient tables.
@@ -137,9 +219,10 @@ def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys, monkeypatch
     these 12 two-sided comparisons (10 @sequence rows, 2 coefficients): 4.55. Progress (by
     default, on a standard error that is not a terminal): a line per audit at interval 0.
     The printed verdicts of the objective options' rows (``+value``, ``;weights=``) and of the
-    variational bounds' are what their exact mean gradients say: their null statistics (17,
-    one-sided) within Bonferroni's z at ``RATE``, their alternatives (7.9 to 45 at this size)
-    above the audit's 4.0, and the verdict printed where the nulls are below 4.0 too.
+    variational bounds' are what their exact mean gradients say: the tabular rows' null
+    statistics (5, one-sided) within Bonferroni's z at ``RATE`` (the variational ones are not
+    normal at this size: ``N_OBJECTIVE_NULLS``), every alternative (7.9 to 45 at this size)
+    above the audit's 4.0, and the verdict printed where the nulls are below 4.0.
     """
     monkeypatch.setenv("KLEST_PROGRESS_INTERVAL", "0")
     assert main(["audit", "--quick"]) == 0
@@ -178,45 +261,13 @@ def test_audit_quick_shows_sequence_level_rows_and_baselines(capsys, monkeypatch
         assert value_rows == grad_rows == ["KL(pi||ref)", "KL(ref||pi)"], (est, rows)
     for row in _table_rows(text, "topk:generalized"):  # deterministic: exact verdicts
         assert row[-1] in ("yes", "biased: neither KL"), row
-    # Rows of objective options (their exact mean gradients: tests/audit/test_core.py).
-    weighted = "E[Σ w·ρ] (w·ρ fixed)"
-    verdicts = {
-        "k1/cumulative+value": "descends KL(pi||ref)",
-        "k1/cumulative;weights=clipped-ratio": f"descends {weighted}, not KL(pi||ref)",
-        "k1/cumulative;weights=clipped-prefix-ratio": f"descends {weighted}, not KL(pi||ref)",
-        "rb/rb;weights=clipped-prefix-ratio": f"descends {weighted}, not KL(pi||ref)",
-        "rb/rb;weights=clipped-ratio": f"biased: neither KL; not {weighted}",
-    }
-    # The variational bounds: pathwise and DReG follow -E[bound] (the quadrature's gradient),
-    # STL only at K = 1; at the optimum STL's and DReG's encoder gradients are exactly 0.
-    for alpha, k in VARIATIONAL_AUDIT:
-        bound = f"IWAE_{k}" if alpha == 0.0 else f"L_{alpha:g},{k}"
-        name = "iwae" if alpha == 0.0 else f"renyi:{alpha:g}"
-        for grad in ("pathwise", "stl", "dreg"):
-            verdicts[f"{name}/{grad} K={k}"] = (
-                "descends KL(pi||ref)"
-                if k == 1
-                else f"biased: neither KL; not -E[{bound}]"
-                if grad == "stl"
-                else f"descends -E[{bound}], not KL(pi||ref)"
-            )
-    # Which statistics are null: z(target) where the row descends the claimed KL (and its
-    # z(objective), printed for the K = 1 bounds, whose objective is that KL), z(objective)
-    # where it descends its objective; the others are alternatives (expected 7.9 or more).
-    nulls = {
-        spec: {"target", "objective"} if verdict.startswith("descends KL") else {"objective"}
-        for spec, verdict in verdicts.items()
-        if verdict.startswith("descends")
-    }
-    z_null = z_for(RATE, sum(map(len, nulls.values())), two_sided=False)  # 4.48 for 17
-    for spec, verdict in verdicts.items():
-        (row,) = [r for r in _table_rows(text, spec) if len(r) == 11]
-        found = re.search(r"\(z\(objective\) (-?[\d.]+)\)", row[-1])
-        stats = {"target": float(row[5]), "objective": float(found[1]) if found else math.nan}
-        null = nulls.get(spec, set())
+    z_null = z_for(RATE, N_OBJECTIVE_NULLS, two_sided=False)  # 4.21
+    rows = list(_objective_rows(text))
+    assert sum(len(r[-1]) for r in rows if not _is_variational(r[0])) == N_OBJECTIVE_NULLS
+    for spec, verdict, row, stats, null in rows:
         for key, z in ((k, z) for k, z in stats.items() if not math.isnan(z)):
             if key in null:
-                assert z <= z_null, (key, row)
+                assert _is_variational(spec) or z <= z_null, (key, row)
             else:
                 assert z > AUDIT_Z, (key, row)
         if all(stats[key] <= AUDIT_Z for key in null if not math.isnan(stats[key])):
