@@ -111,30 +111,32 @@ class _ShardDivergencePlan(DivergencePlan):
              whole.lse_z, whole.lse_y, s_q, s_p)
         )  # fmt: skip
 
-    def _chunk_grads(self, z_c, y_c, out_c, coef_c, need_z, need_y):
-        return divergence_part_grads(
+    def _chunk_grads(self, z_c, y_c, out_c, coef_c, sel, into) -> None:
+        """The chunk ``sel``'s gradients for the row coefficients ``coef_c``, from its merged
+        statistics ``out_c``, written into ``into = (dz, dy)`` (None: not needed)."""
+        d = divergence_part_grads(
             z_c, y_c, self.div, out_c[_WHOLE_ROWS], coef_c, inv_tau=self.inv_tau,
-            need_z=need_z, need_y=need_y, backend=self.backend,
+            need_z=into[0] is not None, need_y=into[1] is not None, backend=self.backend,
         )  # fmt: skip
+        for target, d_c in zip(into, d, strict=True):
+            if target is not None:
+                put_rows(target, sel, d_c)
 
-    def _run(self, z, y, labels, rows, grad_of, need_z, need_y, into) -> Tensor:
-        """Every chunk's statistics (``saved``: taken from it, not computed) and, for the
-        upstream gradients ``grad_of`` (None: none), the gradients into ``into``."""
+    def _run(self, z, y, labels, rows, grad_of, into) -> Tensor:
+        """Every chunk's statistics and, for the upstream gradients ``grad_of`` (None: none),
+        the gradients into ``into``."""
         out = torch.zeros(len(ROW_OUTPUTS), z.shape[0], dtype=work_dtype(z), device=z.device)
         for sel in chunks(z.shape[0], rows, self.chunk):
             z_c, y_c = take(z, sel), take(y, sel)
             out_c = self._chunk_stats(z_c, y_c, None if labels is None else take(labels, sel))
             put(out, sel, out_c)
             if grad_of is not None:
-                d = self._chunk_grads(z_c, y_c, out_c, take(grad_of, sel), need_z, need_y)
-                for target, d_c in zip(into, d, strict=True):
-                    if target is not None:
-                        put_rows(target, sel, d_c)
+                self._chunk_grads(z_c, y_c, out_c, take(grad_of, sel), sel, into)
         return out
 
     def stats(self, z_c, y_c, labels, rows=None, keep=None) -> Tensor:
         rows = self._rows(rows, keep)
-        return self._run(z_c, y_c, labels, rows, None, False, False, (None, None))
+        return self._run(z_c, y_c, labels, rows, None, (None, None))
 
     def stats_grads(self, z_c, y_c, labels, coef, need_z, need_y, rows=None, keep=None,
                     overwrite=True):  # fmt: skip
@@ -143,7 +145,7 @@ class _ShardDivergencePlan(DivergencePlan):
             zeroed_rows_buffer(z_c, rows, into=z_c if overwrite else None) if need_z else None,
             zeroed_rows_buffer(y_c, rows, into=y_c if overwrite else None) if need_y else None,
         )
-        out = self._run(z_c, y_c, labels, rows, coef, need_z, need_y, into)
+        out = self._run(z_c, y_c, labels, rows, coef, into)
         return (out, *into)
 
     def grads(self, z_c, y_c, saved, grads, labels, need_z, need_y, rows=None, keep=None):
@@ -153,13 +155,10 @@ class _ShardDivergencePlan(DivergencePlan):
         dz = zeroed_rows_buffer(z_c, rows) if need_z else None
         dy = zeroed_rows_buffer(y_c, rows) if need_y else None
         for sel in chunks(z_c.shape[0], rows, self.chunk):
-            d = self._chunk_grads(
-                take(z_c, sel), take(y_c, sel), take(saved.T, sel).T, take(grads[0], sel),
-                need_z, need_y,
-            )  # fmt: skip
-            for target, d_c in zip((dz, dy), d, strict=True):
-                if target is not None:
-                    put_rows(target, sel, d_c)
+            saved_c = take(saved.T, sel).T
+            self._chunk_grads(
+                take(z_c, sel), take(y_c, sel), saved_c, take(grads[0], sel), sel, (dz, dy)
+            )
         return dz, dy
 
 
